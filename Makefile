@@ -1,0 +1,36 @@
+# The two commands of the README: `make train` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: setup train test bench bazel sweep clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+train: $(STAMP)
+	$(PY) -m tools.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m tools.bench
+
+sweep: $(STAMP)
+	$(PY) -m tools.sweep --config tools/sweep_configs/ablation.json
+
+# Debian's Bazel and the rule repositories WORKSPACE points at (DESIGN.md §7), then both binaries.
+bazel: $(STAMP)
+	(command -v bazel && test -d /usr/share/bazel/rules/java && test -d /usr/share/bazel/tools/platforms) >/dev/null \
+	  || (apt-get update -qq && apt-get install -y -qq bazel-bootstrap bazel-rules-java bazel-platforms)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel build :train //tools:communication_benchmark
+
+clean:
+	rm -rf $(VENV) bazel-* .pytest_cache

@@ -1,0 +1,160 @@
+"""Measure a training step: run it traced and turn TF's step stats into a ``Profile``.
+
+Baechi's recipe on TF 2.21: warm up, then run ``steps`` steps tracing every ``trace_every``-th
+with ``FULL_TRACE``; per op take the median compute time and the largest bytes over the traced
+steps. Per device, replay the allocator's records (each allocation and free, with its time) on
+top of what was resident before the step (variables, kernels' persistent buffers, fed tensors)
+to get the real memory timeline and its peak.
+
+Runtime-inserted nodes (``_SOURCE``, ``_Send``/``_Recv``, ``_arg_*``/``_retval_*``) are not graph
+ops and are ignored; fed placeholders are costed exactly from their feeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from models.graph_item import GraphItem
+from profiler.profile import DeviceMemory, OpCost, Profile, graph_fingerprint
+from profiler.session import make_session
+from profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_operations
+
+__all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress"]
+
+
+def print_progress(message: str) -> None:
+    """Progress lines go to stderr so they never mix with a tool's JSON on stdout."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def step_fetches(item: GraphItem) -> list[str]:
+    """What one training step runs: the update, the loss and the gradients."""
+    return [item.train_op, item.loss, *item.gradients]
+
+
+def _resident_bytes(graph: tf.Graph, node_stats) -> int:
+    """Bytes a device held before the step: variables it hosts, kernels' persistent buffers,
+    and the fed tensors (``_arg_*`` outputs)."""
+    total = 0
+    for ns in node_stats:
+        total += ns.memory_stats.persistent_memory_size
+        if ns.node_name.startswith("_arg_"):
+            total += sum(o.tensor_description.allocation_description.requested_bytes
+                         for o in ns.output)
+            continue
+        try:
+            op = graph.get_operation_by_name(ns.node_name)
+        except KeyError:
+            continue
+        if op.type in VARIABLE_OP_TYPES:
+            total += variable_bytes(op)
+    return total
+
+
+def _memory_timeline(graph: tf.Graph, node_stats, step_start_us: int) -> DeviceMemory:
+    records = sorted((r.alloc_micros, r.alloc_bytes)
+                     for ns in node_stats for m in ns.memory for r in m.allocation_records)
+    resident = _resident_bytes(graph, node_stats)
+    in_use = resident + np.cumsum([b for _, b in records], dtype=np.int64)
+    timeline = [(0.0, resident)] + [(float(t - step_start_us), int(b))
+                                    for (t, _), b in zip(records, in_use)]
+    return DeviceMemory(peak_bytes=int(max(resident, in_use.max(initial=0))),
+                        resident_bytes=resident, timeline=timeline)
+
+
+def profile_from_run_metadata(graph: tf.Graph, runs: list[tf.compat.v1.RunMetadata],
+                              op_names: set[str]) -> tuple[dict[str, OpCost],
+                                                           dict[str, DeviceMemory]]:
+    """Per-op costs (median time, largest bytes) and per-device memory (the traced step with
+    the highest peak) from traced runs; nodes not in ``op_names`` are ignored."""
+    times: dict[str, list[float]] = defaultdict(list)
+    outputs: dict[str, dict[int, int]] = defaultdict(dict)
+    temp: dict[str, int] = defaultdict(int)
+    persistent: dict[str, int] = defaultdict(int)
+    devices: dict[str, DeviceMemory] = {}
+    for md in runs:
+        starts = [ns.all_start_micros for d in md.step_stats.dev_stats for ns in d.node_stats]
+        step_start = min(starts, default=0)
+        for dev in md.step_stats.dev_stats:
+            memory = _memory_timeline(graph, dev.node_stats, step_start)
+            if dev.device not in devices or memory.peak_bytes > devices[dev.device].peak_bytes:
+                devices[dev.device] = memory
+            for ns in dev.node_stats:
+                name = ns.node_name
+                if name not in op_names:
+                    continue
+                times[name].append((ns.op_end_rel_nanos - ns.op_start_rel_nanos) / 1000.0)
+                for out in ns.output:
+                    size = out.tensor_description.allocation_description.requested_bytes
+                    outputs[name][out.slot] = max(outputs[name].get(out.slot, 0), size)
+                temp[name] = max(temp[name], ns.memory_stats.temp_memory_size)
+                persistent[name] = max(persistent[name], ns.memory_stats.persistent_memory_size)
+    costs = {}
+    for name, samples in times.items():
+        ports = outputs[name]
+        costs[name] = OpCost(
+            compute_us=statistics.median(samples),
+            output_bytes=[ports.get(p, 0) for p in range(max(ports, default=-1) + 1)],
+            temp_bytes=temp[name], persistent_bytes=persistent[name])
+    return costs, devices
+
+
+def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every: int = 2,
+                  num_cpu_devices: int = 1, target: str = "",
+                  progress: Callable[[str], None] | None = print_progress) -> Profile:
+    """Run ``item``'s training step and measure it.
+
+    Args:
+        item: the training step.
+        steps: steps run after warm-up; every ``trace_every``-th one is traced.
+        warmup: untraced steps first (allocator and kernel caches settle).
+        num_cpu_devices: virtual CPU devices of the session (for placed graphs).
+        target: a ``grpc://`` address to profile on a TF cluster, or local.
+        progress: called with a line per step; ``None`` for silence.
+
+    Returns:
+        The profile; its ``coverage`` is the fraction of the step's ops measured.
+    """
+    if steps < 1 or trace_every < 1:
+        raise ValueError(f"steps ({steps}) and trace_every ({trace_every}) must be at least 1")
+    fetches = step_fetches(item)
+    step_ops = step_operations(item.graph, fetches)
+    op_names = {op.name for op in step_ops}
+    runs, step_times = [], []
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    with make_session(item.graph, num_cpu_devices, target) as session:
+        session.run(item.init_op)
+        feeds = item.feed_dict()
+        for k in range(warmup + steps):
+            traced = k >= warmup and (k - warmup) % trace_every == 0
+            metadata = tf.compat.v1.RunMetadata()
+            begin = time.perf_counter()
+            session.run(fetches, feeds, options=options if traced else None,
+                        run_metadata=metadata if traced else None)
+            elapsed_us = (time.perf_counter() - begin) * 1e6
+            if k >= warmup and not traced:
+                step_times.append(elapsed_us)
+            if traced:
+                runs.append(metadata)
+            if progress:
+                phase = "warm-up" if k < warmup else ("traced" if traced else "timed")
+                progress(f"profile {item.name or 'graph'}: step {k + 1}/{warmup + steps} "
+                         f"({phase}) {elapsed_us / 1000:.1f} ms")
+    costs, devices = profile_from_run_metadata(item.graph, runs, op_names)
+    for name, value in item.feeds.items():
+        op_name = name.split(":")[0]
+        costs.setdefault(op_name, OpCost(compute_us=0.0, output_bytes=[int(value.nbytes)]))
+    return Profile(
+        graph_fingerprint=graph_fingerprint(item.graph.as_graph_def()),
+        ops=costs, devices=devices, step_time_us=step_times, num_graph_ops=len(op_names),
+        unmeasured_ops=sorted(op_names - costs.keys()),
+        metadata={"model": item.name, "config": item.config, "steps": steps,
+                  "warmup": warmup, "trace_every": trace_every,
+                  "traced_steps": len(runs), "num_cpu_devices": num_cpu_devices})
