@@ -26,6 +26,10 @@ from profiler.profile import DeviceMemory, OpCost, Profile, graph_fingerprint
 from profiler.session import make_session
 from profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_operations
 
+# The process-wide CPU allocator, shared by a session's (virtual) CPU devices: its peak over a
+# traced step is the independent check of the peak replayed from allocation records.
+_ALLOCATOR_DEVICE = "CPU:0"
+
 __all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress"]
 
 
@@ -127,7 +131,7 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     fetches = step_fetches(item)
     step_ops = step_operations(item.graph, fetches)
     op_names = {op.name for op in step_ops}
-    runs, step_times = [], []
+    runs, step_times, allocator_peaks = [], [], []
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     with make_session(item.graph, num_cpu_devices, target) as session:
         session.run(item.init_op)
@@ -135,6 +139,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         for k in range(warmup + steps):
             traced = k >= warmup and (k - warmup) % trace_every == 0
             metadata = tf.compat.v1.RunMetadata()
+            if traced and not target:
+                tf.config.experimental.reset_memory_stats(_ALLOCATOR_DEVICE)
             begin = time.perf_counter()
             session.run(fetches, feeds, options=options if traced else None,
                         run_metadata=metadata if traced else None)
@@ -143,6 +149,9 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                 step_times.append(elapsed_us)
             if traced:
                 runs.append(metadata)
+                if not target:
+                    allocator_peaks.append(
+                        tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["peak"])
             if progress:
                 phase = "warm-up" if k < warmup else ("traced" if traced else "timed")
                 progress(f"profile {item.name or 'graph'}: step {k + 1}/{warmup + steps} "
@@ -157,4 +166,5 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         unmeasured_ops=sorted(op_names - costs.keys()),
         metadata={"model": item.name, "config": item.config, "steps": steps,
                   "warmup": warmup, "trace_every": trace_every,
-                  "traced_steps": len(runs), "num_cpu_devices": num_cpu_devices})
+                  "traced_steps": len(runs), "num_cpu_devices": num_cpu_devices,
+                  "allocator_peak_bytes": allocator_peaks})
