@@ -40,13 +40,17 @@ class DeviceMemory:
     """A device's memory over one traced step.
 
     ``timeline`` holds ``(microseconds since the step started, bytes in use)`` after each
-    allocation or free; ``resident_bytes`` were in use before the step began (variables,
-    cached constants, fed tensors) and are included in ``timeline`` and ``peak_bytes``.
+    allocation or free, replayed from the allocation records; ``resident_bytes`` were in use
+    before the step began (variables, cached constants, fed tensors) and are included in
+    ``timeline`` and ``peak_bytes``. ``allocator_timeline`` / ``allocator_peak_bytes`` are the
+    allocator's bytes in use sampled as each op finished (shared by virtual CPU devices).
     """
 
     peak_bytes: int
     resident_bytes: int
     timeline: list[tuple[float, int]]
+    allocator_peak_bytes: int = 0
+    allocator_timeline: list[tuple[float, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -71,6 +75,11 @@ class Profile:
         """The largest per-device peak."""
         return max((d.peak_bytes for d in self.devices.values()), default=0)
 
+    @property
+    def allocator_peak_bytes(self) -> int:
+        """The largest allocator bytes-in-use sample over all devices."""
+        return max((d.allocator_peak_bytes for d in self.devices.values()), default=0)
+
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
 
@@ -83,8 +92,8 @@ class Profile:
         fields = {k: v for k, v in data.items() if k != "format_version"}
         fields["ops"] = {k: OpCost(**v) for k, v in fields["ops"].items()}
         fields["devices"] = {
-            k: DeviceMemory(v["peak_bytes"], v["resident_bytes"],
-                            [tuple(p) for p in v["timeline"]])
+            k: DeviceMemory(**{**v, "timeline": [tuple(p) for p in v["timeline"]],
+                               "allocator_timeline": [tuple(p) for p in v["allocator_timeline"]]})
             for k, v in fields["devices"].items()}
         return cls(**fields)
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
-from profiler.cost_graph import CostGraph, OpSpec
+from profiler.cost_graph import CostGraph, OpSpec, gc_paused
 from profiler.profile import Profile
 
 __all__ = ["cost_graph_from_graph", "step_operations", "static_output_bytes", "variable_bytes"]
@@ -60,11 +60,20 @@ def variable_bytes(op: tf.Operation) -> int:
     return int(np.prod(dims, dtype=np.int64)) * tf.as_dtype(op.get_attr("dtype")).size
 
 
+_TYPES_WITHOUT_FLOPS: set[str] = set()
+
+
 def _flops(graph: tf.Graph, op: tf.Operation) -> float | None:
+    """The op's registered FLOP count, or None. Op types that gave none are remembered:
+    asking needs the serialised NodeDef, the dearest part of importing a large graph."""
+    if op.type in _TYPES_WITHOUT_FLOPS:
+        return None
     try:
         value = tf_ops.get_stats_for_node_def(graph, op.node_def, "flops").value
     except (ValueError, TypeError):
-        return None
+        value = None
+    if value is None:
+        _TYPES_WITHOUT_FLOPS.add(op.type)
     return float(value) if value else None
 
 
@@ -117,6 +126,11 @@ def cost_graph_from_graph(graph: tf.Graph, fetches: Iterable[str],
     """
     if profile is not None:
         profile.check_matches(graph.as_graph_def())
+    with gc_paused():
+        return _build(graph, fetches, profile)
+
+
+def _build(graph: tf.Graph, fetches: Iterable[str], profile: Profile | None) -> CostGraph:
     operations = step_operations(graph, fetches)
     flops_per_us, bytes_per_us = _throughputs(graph, operations, profile)
     specs = []

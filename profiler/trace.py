@@ -6,6 +6,11 @@ steps. Per device, replay the allocator's records (each allocation and free, wit
 top of what was resident before the step (variables, kernels' persistent buffers, fed tensors)
 to get the real memory timeline and its peak.
 
+Each node's stats also sample the allocator's bytes in use when the node finished: the
+allocator's own view of the step, kept beside the replay. On a device with an allocator of its
+own (one CPU, a GPU) it is that device's memory; virtual CPU devices share one allocator, so
+there only the replay splits memory by device.
+
 Runtime-inserted nodes (``_SOURCE``, ``_Send``/``_Recv``, ``_arg_*``/``_retval_*``) are not graph
 ops and are ignored; fed placeholders are costed exactly from their feeds.
 """
@@ -62,15 +67,58 @@ def _resident_bytes(graph: tf.Graph, node_stats) -> int:
     return total
 
 
+def _variable_release_us(graph: tf.Graph, update: tf.Operation,
+                         end_us: dict[str, int]) -> int | None:
+    """When the buffer a variable update replaced is freed: after the last op that read the
+    old value through a ``ReadVariableOp`` of the same variable (``None``: not an update)."""
+    handles = [t for t in update.inputs if t.dtype == tf.resource]
+    if not update.op_def.is_stateful or not handles:
+        return None
+    readers = [c for h in handles for c in h.consumers() if c.type == "ReadVariableOp"]
+    last_uses = [end_us[c.name] for r in readers for out in r.outputs
+                 for c in out.consumers() if c.name in end_us]
+    return max(last_uses, default=None)
+
+
+def _allocation_records(graph: tf.Graph, node_stats) -> list[tuple[int, int]]:
+    """(time, ±bytes) of every allocation and free in the step, in time order.
+
+    An update op (stateful, takes a variable's handle) that allocates a buffer it keeps is a
+    copy-on-write of the variable: TF copies when readers still hold the old value. The old
+    buffer was allocated before the step, so its free is in no record; it is added here, at
+    the end of the last op that read the old value.
+    """
+    end_us = {ns.node_name: ns.all_start_micros + ns.all_end_rel_micros for ns in node_stats}
+    records = []
+    for ns in node_stats:
+        own = [(r.alloc_micros, r.alloc_bytes) for m in ns.memory for r in m.allocation_records]
+        records += own
+        kept = sum(b for _, b in own)
+        if kept <= 0:
+            continue
+        try:
+            op = graph.get_operation_by_name(ns.node_name)
+        except KeyError:
+            continue
+        released = _variable_release_us(graph, op, end_us)
+        if released is not None:
+            records.append((max(released, max(t for t, _ in own)), -kept))
+    return sorted(records)
+
+
 def _memory_timeline(graph: tf.Graph, node_stats, step_start_us: int) -> DeviceMemory:
-    records = sorted((r.alloc_micros, r.alloc_bytes)
-                     for ns in node_stats for m in ns.memory for r in m.allocation_records)
+    records = _allocation_records(graph, node_stats)
     resident = _resident_bytes(graph, node_stats)
     in_use = resident + np.cumsum([b for _, b in records], dtype=np.int64)
     timeline = [(0.0, resident)] + [(float(t - step_start_us), int(b))
                                     for (t, _), b in zip(records, in_use)]
+    samples = sorted((ns.all_start_micros + ns.all_end_rel_micros - step_start_us,
+                      m.allocator_bytes_in_use)
+                     for ns in node_stats for m in ns.memory if m.allocator_bytes_in_use)
     return DeviceMemory(peak_bytes=int(max(resident, in_use.max(initial=0))),
-                        resident_bytes=resident, timeline=timeline)
+                        resident_bytes=resident, timeline=timeline,
+                        allocator_peak_bytes=max((b for _, b in samples), default=0),
+                        allocator_timeline=[(float(t), int(b)) for t, b in samples])
 
 
 def profile_from_run_metadata(graph: tf.Graph, runs: list[tf.compat.v1.RunMetadata],
