@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup train test bench bazel sweep clean
+.PHONY: setup train test bench bazel bazel-deps sweep clean
 
 setup: $(STAMP)
 
@@ -26,10 +26,12 @@ bench: $(STAMP)
 sweep: $(STAMP)
 	$(PY) -m tools.sweep --config tools/sweep_configs/ablation.json
 
-# Debian's Bazel and the rule repositories WORKSPACE points at (DESIGN.md §7), then both binaries.
-bazel: $(STAMP)
-	(command -v bazel && test -d /usr/share/bazel/rules/java && test -d /usr/share/bazel/tools/platforms) >/dev/null \
+# Debian's offline Bazel and the rule sets WORKSPACE points at (DESIGN.md §7).
+bazel-deps:
+	@(command -v bazel && test -d /usr/share/bazel/rules/java && test -d /usr/share/bazel/tools/platforms) >/dev/null \
 	  || (apt-get update -qq && apt-get install -y -qq bazel-bootstrap bazel-rules-java bazel-platforms)
+
+bazel: $(STAMP) bazel-deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel build :train //tools:communication_benchmark
 
 clean:
