@@ -1,0 +1,247 @@
+"""The TF2 entry: a Keras 3 ``tf.function`` training step as a GraphItem, and back to a callable
+that trains the user's model."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from profiler.session import make_session  # noqa: E402
+from profiler.tf_function import (FunctionItem, FunctionItemError,  # noqa: E402
+                                  graph_item_from_function, to_callable)
+from profiler.trace import profile_graph  # noqa: E402
+
+WIDTH, BATCH = 32, 64
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((BATCH, 16), dtype=np.float32),
+            rng.standard_normal((BATCH, 4), dtype=np.float32))
+
+
+def _keras_step(seed=0, optimizer="adam"):
+    """A 3-layer Keras MLP, its optimizer and a ``tf.function`` step returning the loss.
+
+    The step also closes over a constant tensor, so captures that are no variables are
+    exercised. Equal seeds give equal initial weights."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(WIDTH, activation="relu"),
+                              keras.layers.Dense(WIDTH, activation="relu"),
+                              keras.layers.Dense(4)])
+    opt = keras.optimizers.Adam(1e-2) if optimizer == "adam" else keras.optimizers.SGD(0.1)
+    loss_fn = keras.losses.MeanSquaredError()
+    scale = tf.constant(0.5)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = scale * loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return model, opt, train_step
+
+
+def _state(model, opt):
+    return [v.numpy() for v in [*model.variables, *opt.variables]]
+
+
+def _assert_same_state(actual, expected):
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    model, opt, train_step = _keras_step()
+    x, y = _batch()
+    return model, opt, train_step, graph_item_from_function(train_step, x, y, name="keras_mlp")
+
+
+def test_item_keeps_every_node_name_and_finds_gradients(traced):
+    model, _, train_step, item = traced
+    x, y = _batch()
+    traced_names = {node.name for node in
+                    train_step.get_concrete_function(x, y).graph.as_graph_def().node}
+    assert traced_names <= {op.name for op in item.graph.get_operations()}
+    assert isinstance(item, FunctionItem)
+    assert [item.graph.get_tensor_by_name(g).shape.as_list() for g in item.gradients] == \
+        [list(v.shape) for v in model.trainable_variables]
+    assert all("gradient_tape/" in g for g in item.gradients)
+    assert set(item.feeds) == set(item.data_inputs) == {"x:0", "y:0"}
+
+
+def test_item_runs_in_a_session_from_the_current_weights(traced):
+    model, _, _, item = traced
+    x, y = _batch()
+    with make_session(item.graph) as session:
+        session.run(item.init_op)
+        loss, *grads = session.run([item.loss, *item.gradients], item.feed_dict())
+    with tf.GradientTape() as tape:
+        expected = 0.5 * keras.losses.MeanSquaredError()(y, model(x, training=True))
+    expected_grads = tape.gradient(expected, model.trainable_variables)
+    np.testing.assert_allclose(loss, expected.numpy(), rtol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_item_profiles_with_full_coverage(traced):
+    *_, item = traced
+    profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
+    assert profile.coverage >= 0.95, profile.unmeasured_ops
+    assert profile.peak_bytes > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_callable_trains_the_keras_model_like_the_original_step(optimizer):
+    model, opt, train_step = _keras_step(optimizer=optimizer)
+    reference_model, reference_opt, reference_step = _keras_step(optimizer=optimizer)
+    step = to_callable(graph_item_from_function(train_step, *_batch()))
+    for seed in range(2):           # two steps: optimizer state (Adam's moments) carries over
+        batch = _batch(seed)
+        np.testing.assert_allclose(step(*batch).numpy(), reference_step(*batch).numpy(),
+                                   rtol=1e-6)
+    assert int(opt.iterations.numpy()) == 2
+    _assert_same_state(_state(model, opt), _state(reference_model, reference_opt))
+    # Keras itself sees the trained weights.
+    x, _ = _batch(5)
+    np.testing.assert_allclose(model.predict_on_batch(x), reference_model.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rematerialized_step_trains_the_keras_model_like_the_original():
+    """A hand-made plan recomputes the first layer (MatMul, BiasAdd, Relu) right before the
+    backward pass reads it; the rewritten step must train the model to identical weights."""
+    rewrite_module = pytest.importorskip("remat.rewrite")
+    from profiler.tf_import import cost_graph_from_graph
+    from remat.schedule import plan_from_schedule
+
+    model, opt, train_step = _keras_step(optimizer="sgd")
+    reference_model, reference_opt, reference_step = _keras_step(optimizer="sgd")
+    batch = _batch()
+    item = graph_item_from_function(train_step, *batch)
+    cost_graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+    relu = list(cost_graph.op_types).index("Relu")          # the first layer's activation
+    bias_add = int(cost_graph.tensor_producer[cost_graph.op_inputs(relu)[0]])
+    mat_mul = int(cost_graph.tensor_producer[cost_graph.op_inputs(bias_add)[0]])
+    layer = [mat_mul, bias_add, relu]
+    assert [cost_graph.op_types[i] for i in layer] == ["MatMul", "BiasAdd", "Relu"]
+    first_backward_read = min(int(c) for t in cost_graph.op_outputs(relu)
+                              for c in cost_graph.tensor_consumers(t)
+                              if "gradient_tape/" in cost_graph.names[int(c)])
+    schedule = list(range(cost_graph.num_ops))
+    schedule[first_backward_read:first_backward_read] = layer
+    plan = plan_from_schedule(cost_graph, schedule, None, "first_layer")
+    rewritten = rewrite_module.rewrite(item, cost_graph, plan)
+    clones = [op.name for op in rewritten.graph.get_operations() if "/remat_" in op.name]
+    assert len(clones) == 3
+    # The rewritten item still initialises and runs on its own in a session.
+    from remat.measure import compare_outputs
+    match = compare_outputs(item, rewritten)
+    assert match["loss_match"] and match["gradients_match"], match
+
+    step = to_callable(rewritten, item)
+    np.testing.assert_allclose(step(*batch).numpy(), reference_step(*batch).numpy(), rtol=1e-6)
+    _assert_same_state(_state(model, opt), _state(reference_model, reference_opt))
+
+
+def test_batch_norm_model_gradients_and_training_match_keras():
+    """A conv net with batch normalisation: the tape sums some gradients with ``AddN`` ops
+    outside its scope, and the step also updates the moving statistics (non-trainable)."""
+    def conv_step():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8, 8, 3)),
+                                  keras.layers.Conv2D(8, 3, activation="relu"),
+                                  keras.layers.BatchNormalization(),
+                                  keras.layers.Flatten(), keras.layers.Dense(10)])
+        opt = keras.optimizers.Adam(1e-2)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return {"loss": loss}
+
+        return model, opt, train_step, loss_fn
+
+    rng = np.random.default_rng(1)
+    batch = (rng.random((16, 8, 8, 3), dtype=np.float32),
+             rng.integers(0, 10, 16).astype(np.int32))
+    model, opt, train_step, loss_fn = conv_step()
+    reference_model, reference_opt, reference_step, _ = conv_step()
+    item = graph_item_from_function(train_step, *batch)
+
+    with make_session(item.graph) as session:
+        session.run(item.init_op)
+        grads = session.run(item.gradients, item.feed_dict())
+    with tf.GradientTape() as tape:
+        expected = loss_fn(batch[1], model(batch[0], training=True))
+    expected_grads = tape.gradient(expected, model.trainable_variables)
+    assert len(grads) == len(expected_grads) == 6
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-6)
+
+    # The eager forward above moved the moving statistics; start both models level again.
+    for variable, reference in zip(model.variables, reference_model.variables):
+        variable.assign(reference)
+    step = to_callable(item)
+    np.testing.assert_allclose(step(*batch).numpy(), reference_step(*batch)["loss"].numpy(),
+                               rtol=1e-6)
+    _assert_same_state(_state(model, opt), _state(reference_model, reference_opt))
+
+
+def test_step_without_a_loss_is_refused():
+    model, opt, _ = _keras_step(optimizer="sgd")
+
+    @tf.function
+    def no_loss(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(y - model(x)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    with pytest.raises(FunctionItemError, match="must return its loss"):
+        graph_item_from_function(no_loss, *_batch())
+
+
+def test_step_without_gradients_is_refused():
+    model, _, _ = _keras_step(optimizer="sgd")
+    forward = tf.function(lambda x, y: tf.reduce_mean(tf.square(y - model(x))))
+    with pytest.raises(FunctionItemError, match="found no gradients"):
+        graph_item_from_function(forward, *_batch())
+
+
+def test_nested_functions_are_refused_as_opaque():
+    model, opt, _ = _keras_step(optimizer="sgd")
+    inner = tf.function(lambda x: model(x))
+
+    @tf.function
+    def outer(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(y - inner(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+
+    with pytest.raises(FunctionItemError, match="opaque"):
+        graph_item_from_function(outer, *_batch())
+
+
+def test_callable_needs_the_function_item(traced):
+    *_, item = traced
+    from models.graph_item import GraphItem
+    plain = GraphItem(item.graph, item.train_op, item.loss, item.gradients, item.init_op,
+                      item.feeds)
+    with pytest.raises(FunctionItemError, match="FunctionItem"):
+        to_callable(plain)
