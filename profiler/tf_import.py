@@ -4,7 +4,9 @@ Only the ops a training step executes are imported: the transitive fan-in of its
 (train op, loss, gradients). Initialisers and savers never run in a step and would only distort
 coverage and plans.
 
-Costs come from the profile where measured; the rest is estimated from static shapes: output
+Costs come from the profile where measured. An op the trace missed although every reader of
+its outputs was measured ran fused into them (oneDNN's run-time rewrite): it costs no time of
+its own. The rest is estimated from static shapes: output
 bytes from shape x dtype (unknown dimensions count as 1), compute time from the op's registered
 FLOP count at the throughput the profile measured on this machine (or a default), and for ops
 without a FLOP count from the bytes they write at a measured (or default) bandwidth.
@@ -77,6 +79,14 @@ def _flops(graph: tf.Graph, op: tf.Operation) -> float | None:
     return float(value) if value else None
 
 
+def _fused_into_consumers(op: tf.Operation, profile: Profile) -> bool:
+    """An op the trace missed while every op reading it was measured ran fused into them:
+    oneDNN's run-time graph pass merges e.g. ``Conv2D`` into its ``BiasAdd`` and reports the
+    pair under the consumer's name, so the op's time is already in its consumer's."""
+    consumers = [c for t in op.outputs for c in t.consumers()]
+    return bool(consumers) and all(c.name in profile.ops for c in consumers)
+
+
 def step_operations(graph: tf.Graph, fetches: Iterable[str]) -> list[tf.Operation]:
     """The ops a ``Session.run(fetches)`` executes: the transitive fan-in of the fetches, in
     graph order. ``fetches`` are op or tensor names."""
@@ -144,6 +154,8 @@ def _build(graph: tf.Graph, fetches: Iterable[str], profile: Profile | None) -> 
             output_bytes += static_bytes[len(output_bytes):]
             compute_us, temp = cost.compute_us, cost.temp_bytes
             persistent = max(persistent, cost.persistent_bytes)
+        elif profile is not None and _fused_into_consumers(op, profile):
+            output_bytes, temp, compute_us = static_bytes, 0, 0.0
         else:
             output_bytes, temp = static_bytes, 0
             flops = _flops(graph, op)

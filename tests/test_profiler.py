@@ -88,9 +88,13 @@ def test_cost_graph_takes_measured_costs_and_estimates_the_rest(profiles):
     for i in np.flatnonzero(measured.measured):
         name = measured.names[i]
         assert measured.compute_us[i] == profile.ops[name].compute_us
-    # Estimates exist and are positive for every op the trace missed.
+    # cifarnet's missed ops are the ones oneDNN fused into their measured readers
+    # (Conv2D into BiasAdd): their time is already counted there.
     missing = np.flatnonzero(~measured.measured)
-    assert (measured.compute_us[missing] > 0).all()
+    assert len(missing) and (measured.compute_us[missing] == 0).all()
+    assert all(measured.names[i].endswith(("Conv2D", "BiasAddGrad")) for i in missing)
+    # Without a profile every op gets a positive estimate.
+    assert (estimated.compute_us > 0).all()
     # Variables carry their buffers as persistent bytes.
     variables = np.flatnonzero(measured.is_variable)
     assert len(variables) and (measured.persistent_bytes[variables] > 0).all()
