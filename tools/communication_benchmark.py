@@ -1,23 +1,225 @@
-"""Communication benchmark: measures device-to-device transfer cost for the placer.
+"""Communication benchmark: what moving a tensor between two devices costs, for the placer.
 
-Placeholder: another developer replaces this module (issue #3). It already parses its flags
-so that `bazel build //tools:communication_benchmark` and `--helpfull` work.
+Times transfers of 2^0 .. 2^max_power float32 elements between two devices and fits
+``transfer_us = a * bytes + b`` (Baechi, Jeon et al., SoCC 2020, §4: the placers' communication
+model). Transports (``--transport``):
+
+- ``grpc``: two local ``tf.distribute.Server`` workers the tool starts (loopback only);
+  transfers are real gRPC ``RecvTensor`` calls. The default without two GPUs.
+- ``gpu``: ``/GPU:0`` -> ``/GPU:1`` in this process (needs two GPUs; the default with them).
+- ``virtual``: two virtual CPU devices of this process. They pass tensors zero-copy, so what is
+  measured is the executor's per-edge overhead; the JSON says ``"zero_copy": true``.
+
+Method: per size, a variable on the source device is read and sent along a chain of
+``--hops`` ``Identity`` ops alternating between the two devices (each hop is one transfer, both
+directions equally), and the same chain kept on the source device is the baseline. Each repeat
+runs both; a transfer costs the median over repeats of (chain - baseline) / hops, so the
+session's own overhead cancels out. The fit minimises the *relative* error (rows weighted by
+1 / measured time, non-negative least squares), so the many small transfers, which are
+latency-bound, weigh as much as the few large bandwidth-bound ones.
+
+Output: ``--comm_cost_coeffs=a,b`` on stdout, and the per-link JSON that
+``baechi.devices.DeviceSet.from_json`` reads (``default`` and directional ``links``, plus the
+raw measurements), written atomically to ``--output``, with a log-log plot next to it.
+
+    python -m tools.communication_benchmark --transport=grpc --max_power=22
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import scipy.optimize
 from absl import app, flags
 
-_OUTPUT = flags.DEFINE_string(
-    "output", None, "Where to write the measured communication costs (JSON)."
-)
+__all__ = ["fit_relative", "main", "measure_transfers", "transfer_graph"]
+
+_OUTPUT = flags.DEFINE_string("output", "bench/results/communication.json",
+                              "Where to write the per-link communication costs (JSON); a "
+                              "plot is written next to it (.png).")
+_MAX_POWER = flags.DEFINE_integer("max_power", 22, "Largest transfer is 2^max_power float32 "
+                                  "elements (22: 16 MiB).", lower_bound=0, upper_bound=28)
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed repeats per size (median).",
+                                lower_bound=1)
+_HOPS = flags.DEFINE_integer("hops", 4, "Transfers per timed run (a chain alternating between "
+                             "the two devices).", lower_bound=1)
+_TRANSPORT = flags.DEFINE_enum("transport", None, ["grpc", "gpu", "virtual"],
+                               "Devices to measure between; default: gpu with two GPUs, "
+                               "else grpc.")
+
+ELEMENT_BYTES = 4  # float32
+
+
+def transfer_graph(src: str, dst: str, powers: list[int], hops: int):
+    """The benchmark graph: per size ``2^p`` a variable on ``src``, a chain of ``hops``
+    ``Identity`` ops alternating ``dst``, ``src``, ... (one transfer each) and the same chain on
+    ``src`` alone; each chain ends in a one-element slice so only a scalar is fetched.
+
+    Returns:
+        (graph, init op, {p: (baseline fetch, chain fetch)}).
+    """
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    fetches = {}
+    with graph.as_default():
+        for p in powers:
+            with tf.device(src):
+                value = tf.Variable(tf.zeros([2 ** p]), name=f"data_{p}").read_value()
+            local = chain = value
+            for hop in range(hops):
+                with tf.device(dst if hop % 2 == 0 else src):
+                    chain = tf.identity(chain, name=f"hop_{p}_{hop}")
+                with tf.device(src):
+                    local = tf.identity(local, name=f"local_{p}_{hop}")
+            with tf.device(dst if hops % 2 else src):
+                chain_end = chain[0]
+            with tf.device(src):
+                local_end = local[0]
+            fetches[p] = (local_end, chain_end)
+        init = tf.compat.v1.global_variables_initializer()
+    return graph, init, fetches
+
+
+def measure_transfers(session, fetches: dict, repeats: int, hops: int,
+                      progress=None) -> list[dict]:
+    """Time every size's chain against its baseline; one record per size with ``bytes``,
+    ``transfer_us`` (median over repeats of the per-hop difference), and the medians of both."""
+    records = []
+    smallest = min(fetches)
+    for _ in range(5):  # open the channels before timing anything
+        session.run(fetches[smallest])
+    for p in sorted(fetches):
+        local, chain = fetches[p]
+        for _ in range(2):
+            session.run(local)
+            session.run(chain)
+        local_us, chain_us = [], []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            session.run(local)
+            middle = time.perf_counter()
+            session.run(chain)
+            end = time.perf_counter()
+            local_us.append((middle - begin) * 1e6)
+            chain_us.append((end - middle) * 1e6)
+        per_hop = statistics.median((c - l) / hops for c, l in zip(chain_us, local_us))
+        record = {"elements": 2 ** p, "bytes": ELEMENT_BYTES * 2 ** p,
+                  "transfer_us": per_hop, "chain_us_median": statistics.median(chain_us),
+                  "baseline_us_median": statistics.median(local_us)}
+        records.append(record)
+        if progress:
+            progress(f"2^{p:<2d} floats ({record['bytes']:>10d} B): transfer "
+                     f"{per_hop:10.1f} us (median of {repeats})")
+    return records
+
+
+def fit_relative(num_bytes: np.ndarray, transfer_us: np.ndarray) -> tuple[float, float]:
+    """Fit ``a * bytes + b`` (a, b >= 0) minimising the sum of squared *relative* errors.
+
+    Each row is divided by its measured time, so a 64 MiB transfer's milliseconds do not drown
+    the microseconds of small ones. Sizes whose measured cost is not positive (below the timing
+    noise) carry no relative information and are left out.
+
+    Raises:
+        ValueError: fewer than two sizes with a positive measured cost.
+
+    Examples:
+        >>> a, b = fit_relative(np.array([4, 4e3, 4e6]), np.array([100.004, 104.0, 4100.0]))
+        >>> round(a, 6), round(b, 1)
+        (0.001, 100.0)
+    """
+    x, y = np.asarray(num_bytes, float), np.asarray(transfer_us, float)
+    keep = y > 0
+    if keep.sum() < 2:
+        raise ValueError(f"only {int(keep.sum())} size(s) had a measurable transfer time: "
+                         "raise --repeats or --max_power")
+    x, y = x[keep], y[keep]
+    design = np.stack([x, np.ones_like(x)], axis=1) / y[:, None]
+    (a, b), _ = scipy.optimize.nnls(design, np.ones_like(y))
+    return float(a), float(b)
+
+
+def _plot(path: str, records: list[dict], a: float, b: float, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = np.array([r["bytes"] for r in records], float)
+    y = np.array([r["transfer_us"] for r in records], float)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog(x[y > 0], y[y > 0], "o", label="measured (median)")
+    ax.loglog(x, a * x + b, "-", label=f"fit {a:.3g} us/B * bytes + {b:.3g} us")
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("transfer time (us)")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: reports that the benchmark is not implemented yet."""
+    """Measure, fit, print ``--comm_cost_coeffs`` and write the per-link JSON."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    print("communication benchmark: not implemented yet (issue #3)")
+    import tensorflow as tf
+
+    from baechi.devices import LinkCost
+    from baechi.run import LocalCluster, RunTarget
+    from profiler.profile import atomic_write_json
+    from profiler.trace import print_progress
+
+    num_gpus = len(tf.config.list_physical_devices("GPU"))
+    transport = _TRANSPORT.value or ("gpu" if num_gpus >= 2 else "grpc")
+    if transport == "gpu" and num_gpus < 2:
+        raise app.UsageError(f"--transport=gpu needs two GPUs; TF sees {num_gpus}. "
+                             "Use --transport=grpc or --transport=virtual.")
+    began = time.perf_counter()
+    cluster = LocalCluster(2) if transport == "grpc" else nullcontext()
+    with cluster:
+        if transport == "grpc":
+            target = cluster.run_target
+            print_progress(f"started 2 gRPC workers at {', '.join(cluster.addresses)}")
+        elif transport == "gpu":
+            target = RunTarget(("/GPU:0", "/GPU:1"), "gpu")
+        else:
+            target = RunTarget(("/device:CPU:0", "/device:CPU:1"), "virtual_cpu",
+                               num_cpu_devices=2)
+        src, dst = target.devices
+        powers = list(range(_MAX_POWER.value + 1))
+        graph, init, fetches = transfer_graph(src, dst, powers, _HOPS.value)
+        with target.session(graph) as session:
+            session.run(init)
+            records = measure_transfers(session, fetches, _REPEATS.value, _HOPS.value,
+                                        print_progress)
+    a, b = fit_relative(np.array([r["bytes"] for r in records]),
+                        np.array([r["transfer_us"] for r in records]))
+    link = LinkCost(a, b).to_json()
+    zero_copy = transport == "virtual"
+    result = {
+        "default": link,
+        "links": [{"src": src, "dst": dst, **link}, {"src": dst, "dst": src, **link}],
+        "transport": transport, "zero_copy": zero_copy,
+        "fit": "non-negative least squares on relative error (rows weighted 1/measured)",
+        "hops": _HOPS.value, "repeats": _REPEATS.value, "measurements": records,
+        "elapsed_s": time.perf_counter() - began,
+    }
+    atomic_write_json(_OUTPUT.value, result)
+    _plot(os.path.splitext(_OUTPUT.value)[0] + ".png", records, a, b,
+          f"{transport}: {src} <-> {dst}")
+    print(f"{'bytes':>12s} {'transfer us':>12s} {'fit us':>12s}")
+    for r in records:
+        print(f"{r['bytes']:12d} {r['transfer_us']:12.1f} {a * r['bytes'] + b:12.1f}")
+    if zero_copy:
+        print("virtual CPU devices are zero-copy: no bytes move; the fit is the executor's "
+              "per-edge overhead, not a link cost")
+    print(f"--comm_cost_coeffs={a:.6g},{b:.6g}")
+    print(f"per-link JSON: {_OUTPUT.value} ({transport}, {result['elapsed_s']:.1f} s)")
 
 
 if __name__ == "__main__":

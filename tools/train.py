@@ -6,7 +6,12 @@ The Baechi-style entry point (``bazel-bin/train`` or ``python -m tools.train``):
     python -m tools.train --model_name=mlp --costgen --cost_path=out/mlp_costs.json
 
 It prints the median step time and the peak memory of the step, and writes a JSON report
-(``--report_path``). Rematerialization and placement flags arrive with their passes.
+(``--report_path``). With ``--memory_budget`` or ``--memory_ratio`` the step is first
+rematerialized (``remat.pipeline``) and the report compares planned and measured peak and
+overhead. With ``--num_devices`` > 1 the step is placed (Baechi: ``--placement_method``,
+``--placer_type``, ``--grouper``, memory and communication flags), applied, checked against the
+single-device step and run on the devices (``--cluster``: this process or local gRPC workers); the
+report compares the planned makespan and per-device peaks with the measured ones.
 """
 
 from __future__ import annotations
@@ -33,6 +38,33 @@ flags.DEFINE_integer("trace_every", 2, "With --costgen: trace every k-th profile
 flags.DEFINE_integer("num_devices", 1, "Devices to run on (virtual CPU devices without GPUs).")
 flags.DEFINE_string("report_path", "out/train_report.json", "JSON report of the run.")
 flags.DEFINE_integer("seed", 0, "Seed of weights and generated data.")
+flags.DEFINE_string("memory_budget", None, "Rematerialize to fit this peak memory: bytes or "
+                    "a size such as 300MiB or 1.5GiB (resident variables and feeds included).")
+flags.DEFINE_float("memory_ratio", None, "Rematerialize to fit this fraction of the measured "
+                   "baseline peak (alternative to --memory_budget).")
+flags.DEFINE_string("remat_heuristic", "dtr", "Rematerialization planner: a DTR heuristic (dtr, "
+                    "dtr_eq, dtr_local, lru, size, msps, random, belady, offline) or a baseline "
+                    "(checkpoint_all, chen_sqrt_n, chen_greedy, checkmate).")
+flags.DEFINE_float("remat_overhead_limit", 2.0, "Give up (thrash) when recomputation would "
+                   "exceed this multiple of the step's compute.")
+flags.DEFINE_enum("placement_method", None, ["m_topo", "m_etf", "m_sct"],
+                  "With --num_devices > 1: the Baechi placer (default: baechi.place's).")
+flags.DEFINE_enum("placer_type", None, ["default", "colocation", "fusion"],
+                  "Placement units: single ops, colocation groups, or fused groups.")
+flags.DEFINE_enum("grouper", None, ["tf", "coplace"], "Groups: TF colocation only, or "
+                  "Baechi's co-placement on top.")
+flags.DEFINE_string("comm_cost_coeffs", None, "Transfer cost 'a,b': a us/byte * bytes + b us "
+                    "for every device pair (default: Baechi's GPU fit 0.0001754,134).")
+flags.DEFINE_string("comm_cost_path", None, "Per-link transfer costs: the JSON written by "
+                    "tools/communication_benchmark (overrides --comm_cost_coeffs).")
+flags.DEFINE_string("device_memory", None, "Memory of each device, e.g. 2GiB (default: this "
+                    "machine's RAM / --num_devices).")
+flags.DEFINE_float("memory_fraction", 1.0, "Fraction of --device_memory the placer may fill.",
+                   lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favourite child.")
+flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
+flags.DEFINE_enum("cluster", "local", ["local", "grpc"], "Where --num_devices > 1 runs: "
+                  "this process (GPUs or virtual CPUs) or local TF gRPC worker processes.")
 
 
 def _model_kwargs() -> dict:
@@ -55,17 +87,17 @@ def _model_kwargs() -> dict:
     return kwargs
 
 
-def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1) -> dict:
+def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "") -> dict:
     """Run the step ``warmup + steps`` times; median step time, final loss and the
     allocator's peak bytes over the measured steps (CPU:0's allocator is shared by all
-    virtual CPU devices)."""
+    virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers')."""
     import tensorflow as tf
 
     from profiler.session import make_session
     from profiler.trace import step_fetches
 
     times_ms, losses = [], []
-    with make_session(item.graph, num_cpu_devices) as session:
+    with make_session(item.graph, num_cpu_devices, target) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
         fetches = step_fetches(item)[:2]
@@ -80,6 +112,110 @@ def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1) -> dict:
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     return {"step_time_ms_median": statistics.median(times_ms), "step_times_ms": times_ms,
             "losses": losses, "peak_bytes": int(peak)}
+
+
+def _rematerialize(item, report: dict):
+    """Plan and rewrite ``item`` under --memory_budget / --memory_ratio, measure the result
+    against the plan (report["remat"]) and return the rewritten step."""
+    from profiler.trace import print_progress
+    from remat.measure import measure_rewrite, measure_step
+    from remat.pipeline import PLANNERS, BudgetError, parse_bytes, rematerialize
+
+    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
+        raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")
+    if FLAGS.remat_heuristic not in PLANNERS:
+        raise app.UsageError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
+                             f"{', '.join(PLANNERS)}")
+    try:
+        budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
+    except ValueError as error:
+        raise app.UsageError(f"--memory_budget: {error}") from error
+    baseline = measure_step(item, steps=3, warmup=FLAGS.warmup_steps,
+                            num_cpu_devices=FLAGS.num_devices)
+    try:
+        rewritten, plan = rematerialize(item, baseline.profile, budget_bytes=budget,
+                                        budget_ratio=FLAGS.memory_ratio,
+                                        heuristic=FLAGS.remat_heuristic,
+                                        overhead_limit=FLAGS.remat_overhead_limit)
+    except BudgetError as error:
+        raise app.UsageError(str(error)) from error
+    result = measure_rewrite(item, rewritten, plan, baseline=baseline)
+    report["remat"] = result
+    print_progress(
+        f"remat {plan.method}: budget {plan.budget_bytes / 2**20:.1f} MiB, peak planned "
+        f"{plan.peak_bytes / 2**20:.1f} MiB, measured {result['measured_peak_bytes'] / 2**20:.1f}"
+        f" MiB (baseline {result['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
+        f"{result['planned_overhead']:.2f}x, measured {result['measured_overhead']:.2f}x; "
+        f"{plan.num_recomputes} recomputations; loss/gradients match: "
+        f"{result['loss_match'] and result['gradients_match']}")
+    return rewritten
+
+
+def _device_set(names):
+    """The placer's devices: --device_memory x --memory_fraction each, links from
+    --comm_cost_path, else --comm_cost_coeffs, else Baechi's GPU fit."""
+    import os
+
+    from baechi.devices import DeviceError, DeviceSet, parse_bytes
+
+    try:
+        memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
+                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(names))
+        memory = int(memory * FLAGS.memory_fraction)
+        if FLAGS.comm_cost_path is not None:
+            return DeviceSet.from_json(names, memory, FLAGS.comm_cost_path)
+        return DeviceSet.uniform(names, memory, FLAGS.comm_cost_coeffs or "0.0001754,134")
+    except (DeviceError, OSError) as error:
+        raise app.UsageError(str(error)) from error
+
+
+def _place_and_run(item, report: dict, profile) -> dict:
+    """Place ``item`` on --num_devices devices, check it against one device, run it there and
+    report plan vs measurement (report["placement"]); returns the run's result. Without a
+    ``profile`` (--costgen or --cost_path) the placer's costs come from two traced steps."""
+    from contextlib import nullcontext
+
+    from baechi.lp import LPSolverError
+    from baechi.place_and_run import place_and_check
+    from baechi.run import LocalCluster, local_target
+    from baechi.schedule import PlacementError
+    from profiler.trace import print_progress, profile_graph
+
+    if profile is None:
+        profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
+    options = {key: FLAGS[flag].value for key, flag in (
+        ("method", "placement_method"), ("placer_type", "placer_type"), ("grouper", "grouper"),
+        ("sct_threshold", "sct_threshold"), ("lp_solver", "lp_solver"))
+        if FLAGS[flag].value is not None}
+    single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)
+    cluster = LocalCluster(FLAGS.num_devices) if FLAGS.cluster == "grpc" else nullcontext()
+    with cluster:
+        target = cluster.run_target if FLAGS.cluster == "grpc" else local_target(
+            FLAGS.num_devices)
+        devices = _device_set(list(target.devices))
+        try:
+            placed, placement = place_and_check(item, target, devices, profile, **options)
+        except (PlacementError, LPSolverError) as error:
+            raise SystemExit(f"placement failed: {error}") from error
+        result = run_steps(placed, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
+                           target.target)
+    result["peak_bytes"] = max(placement["measured_peak_bytes"].values())
+    placement["single_device_step_time_ms_median"] = single["step_time_ms_median"]
+    report["placement"] = placement
+    for name in devices.names:
+        print_progress(
+            f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
+            f"{placement['planned_peak_bytes'][name] / 2**20:.1f} MiB, measured "
+            f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.1f} MiB, limit "
+            f"{placement['limit_bytes'][name] / 2**20:.1f} MiB")
+    print_progress(
+        f"placed on {len(devices.names)} devices ({target.kind}) in "
+        f"{placement['plan']['placement_s']:.2f} s; makespan planned "
+        f"{placement['plan']['makespan_us'] / 1000:.2f} ms, step measured "
+        f"{result['step_time_ms_median']:.2f} ms (1 device: "
+        f"{single['step_time_ms_median']:.2f} ms); loss/gradients equal to 1 device: "
+        f"{placement['equal_to_single_device']}")
+    return result
 
 
 def main(argv):
@@ -97,6 +233,13 @@ def main(argv):
     print_progress(f"built {item.name}: {num_ops} ops, config {item.config}")
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
               "graph_ops": num_ops, "num_devices": FLAGS.num_devices}
+    profile = None
+    if FLAGS["cost_path"].present and not FLAGS.costgen and FLAGS.num_devices > 1:
+        from profiler.profile import Profile
+        try:
+            profile = Profile.load(FLAGS.cost_path, item.graph_def())  # the placer's costs
+        except (OSError, ValueError) as error:
+            raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
     if FLAGS.costgen:
         profile = profile_graph(item, steps=max(2, FLAGS.steps), warmup=FLAGS.warmup_steps,
                                 trace_every=FLAGS.trace_every,
@@ -106,7 +249,13 @@ def main(argv):
                        f"measured, peak {profile.peak_bytes / 2**20:.1f} MiB -> {FLAGS.cost_path}")
         report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
                              "profiled_peak_bytes": profile.peak_bytes}
-    result = run_steps(item, FLAGS.steps, FLAGS.warmup_steps, FLAGS.num_devices)
+    if FLAGS.memory_budget is not None or FLAGS.memory_ratio is not None:
+        item = _rematerialize(item, report)
+        profile = None  # measured on the graph before rematerialization
+    if FLAGS.num_devices > 1:
+        result = _place_and_run(item, report, profile)
+    else:
+        result = run_steps(item, FLAGS.steps, FLAGS.warmup_steps, FLAGS.num_devices)
     report["run"] = result
     atomic_write_json(FLAGS.report_path, report)
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "

@@ -1,0 +1,265 @@
+"""Devices, their memory limits, and the cost of moving a tensor between two of them.
+
+A transfer of ``n`` bytes from device ``i`` to device ``j`` costs ``a_ij * n + b_ij`` µs (a linear
+fit of measured transfers, as in Baechi, Jeon et al., SoCC 2020, §4); a tensor that stays on its
+device costs nothing. Unlike Baechi, which used one function for every pair, each ordered pair may
+have its own coefficients.
+
+Communication JSON (written by ``tools/communication_benchmark.py``, read by
+``DeviceSet.from_json``)::
+
+    {
+      "default": {"a_us_per_byte": 0.0001754, "b_us": 134.0},
+      "links": [
+        {"src": "/job:worker/task:0/device:CPU:0", "dst": "/job:worker/task:1/device:CPU:0",
+         "a_us_per_byte": 0.00045, "b_us": 310.0},
+        ...
+      ]
+    }
+
+``links`` are directional; a pair listed in one direction only uses the same coefficients for
+the reverse direction. Pairs not listed use ``default``; without ``default`` the mean of the
+listed links is used. Other keys (the benchmark's raw measurements) are ignored.
+
+Device names follow TensorFlow: ``/GPU:0``, ``/device:CPU:1``,
+``/job:worker/task:2/device:CPU:0`` (optionally with ``/replica:0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Device", "DeviceError", "DeviceSet", "LinkCost", "default_device_names",
+           "parse_bytes", "parse_comm_coeffs"]
+
+_DEVICE_NAME = re.compile(
+    r"^(/job:[\w.-]+(/replica:\d+)?(/task:\d+)?)?(/device:|/)(CPU|GPU|TPU):\d+$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNIT_BYTES = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G": 10**9,
+               "GB": 10**9, "T": 10**12, "TB": 10**12, "KI": 2**10, "KIB": 2**10, "MI": 2**20,
+               "MIB": 2**20, "GI": 2**30, "GIB": 2**30, "TI": 2**40, "TIB": 2**40}
+
+
+class DeviceError(ValueError):
+    """A device name, memory size, or communication description cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A device a placer may use: its TF name and how many bytes it may hold."""
+
+    name: str
+    memory_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """Linear transfer cost of one link direction: ``a_us_per_byte * bytes + b_us``."""
+
+    a_us_per_byte: float
+    b_us: float
+
+    def transfer_us(self, num_bytes: float) -> float:
+        """Time to move ``num_bytes`` over this link, in µs."""
+        return self.a_us_per_byte * num_bytes + self.b_us
+
+    def to_json(self) -> dict[str, float]:
+        return {"a_us_per_byte": self.a_us_per_byte, "b_us": self.b_us}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a memory size: ``2GiB``, ``512MiB``, ``1.5GB``, ``4096`` (bytes).
+
+    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB)
+    powers of 1000.
+
+    Raises:
+        DeviceError: if the text is not a non-negative size.
+
+    Examples:
+        >>> parse_bytes("2GiB"), parse_bytes("1.5MB"), parse_bytes(64)
+        (2147483648, 1500000, 64)
+    """
+    if isinstance(text, (int, np.integer)):
+        value = int(text)
+        if value < 0:
+            raise DeviceError(f"memory size {value} is negative")
+        return value
+    match = _SIZE.match(str(text))
+    unit = (match.group(2) or "").upper() if match else None
+    if not match or unit not in _UNIT_BYTES:
+        raise DeviceError(
+            f"cannot parse memory size {text!r}: use a number of bytes or a number with a "
+            "suffix such as 512MiB, 2GiB, 1.5GB")
+    return int(float(match.group(1)) * _UNIT_BYTES[unit])
+
+
+def parse_comm_coeffs(text: str) -> LinkCost:
+    """Parse ``--comm_cost_coeffs=a,b`` (µs per byte, µs; fractions allowed, e.g. ``1e-4,134``).
+
+    Raises:
+        DeviceError: if there are not exactly two non-negative numbers.
+
+    Examples:
+        >>> parse_comm_coeffs("0.0001754,134")
+        LinkCost(a_us_per_byte=0.0001754, b_us=134.0)
+    """
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        a, b = (float(p) for p in parts)
+    except ValueError:
+        raise DeviceError(
+            f"--comm_cost_coeffs={text!r}: expected two numbers 'a,b' (transfer time = "
+            "a µs/byte * bytes + b µs), e.g. 0.0001754,134") from None
+    if a < 0 or b < 0:
+        raise DeviceError(f"--comm_cost_coeffs={text!r}: coefficients must be non-negative")
+    return LinkCost(a, b)
+
+
+def default_device_names(num_devices: int, gpu_names: Sequence[str] = ()) -> list[str]:
+    """Names of ``num_devices`` local devices: ``/GPU:i`` when enough GPUs exist, else
+    ``/device:CPU:i`` (virtual CPU devices).
+
+    Parameters:
+        num_devices: how many devices to place on.
+        gpu_names: the physical GPUs, e.g. ``[d.name for d in
+            tf.config.list_physical_devices("GPU")]`` (the caller asks TensorFlow, so this
+            module stays TF-free).
+
+    Examples:
+        >>> default_device_names(2), default_device_names(2, ["/physical_device:GPU:0"] * 2)
+        (['/device:CPU:0', '/device:CPU:1'], ['/GPU:0', '/GPU:1'])
+    """
+    if num_devices < 1:
+        raise DeviceError(f"need at least one device, got {num_devices}")
+    kind = "/GPU:" if len(gpu_names) >= num_devices else "/device:CPU:"
+    return [f"{kind}{i}" for i in range(num_devices)]
+
+
+class DeviceSet:
+    """The devices of one placement and the link cost of every ordered pair.
+
+    Parameters:
+        devices: the devices, in index order (placers refer to devices by index).
+        default: link cost for pairs without their own entry.
+        links: per ordered pair ``(src name, dst name)`` link costs.
+
+    Attributes ``names``, ``memory_bytes`` (int64 array), and ``a_us_per_byte`` / ``b_us``
+    (``D x D`` nested lists, zero on the diagonal, for the placers' hot loops).
+
+    Raises:
+        DeviceError: on an empty set, a duplicate or malformed name, or negative memory.
+    """
+
+    def __init__(self, devices: Sequence[Device], default: LinkCost,
+                 links: Mapping[tuple[str, str], LinkCost] | None = None):
+        if not devices:
+            raise DeviceError("a device set needs at least one device")
+        self.devices = list(devices)
+        self.names = [d.name for d in self.devices]
+        if len(set(self.names)) != len(self.names):
+            raise DeviceError(f"duplicate device names in {self.names}")
+        for name in self.names:
+            if not _DEVICE_NAME.match(name):
+                raise DeviceError(
+                    f"device name {name!r} is not a TF device name such as /GPU:0, "
+                    "/device:CPU:1 or /job:worker/task:2/device:CPU:0")
+        self.memory_bytes = np.array([d.memory_bytes for d in self.devices], dtype=np.int64)
+        if (self.memory_bytes < 0).any():
+            raise DeviceError(f"negative memory limit in {self.memory_bytes.tolist()}")
+        self.default = default
+        links = dict(links or {})
+        self.links = {}
+        for i, src in enumerate(self.names):
+            for j, dst in enumerate(self.names):
+                if i != j:
+                    self.links[i, j] = links.get((src, dst), links.get((dst, src), default))
+        d = len(self.names)
+        self.a_us_per_byte = [[self.links[i, j].a_us_per_byte if i != j else 0.0
+                               for j in range(d)] for i in range(d)]
+        self.b_us = [[self.links[i, j].b_us if i != j else 0.0 for j in range(d)]
+                     for i in range(d)]
+
+    @classmethod
+    def uniform(cls, names: Sequence[str], memory_bytes: int | str | Sequence[int | str],
+                link: LinkCost | str) -> "DeviceSet":
+        """Devices with the given memory (one size for all, or one per device) and one link
+        cost for every pair (a ``LinkCost`` or an ``a,b`` string as in ``--comm_cost_coeffs``)."""
+        if isinstance(memory_bytes, (str, int, np.integer)):
+            memory_bytes = [memory_bytes] * len(names)
+        if len(memory_bytes) != len(names):
+            raise DeviceError(f"{len(memory_bytes)} memory sizes for {len(names)} devices")
+        if isinstance(link, str):
+            link = parse_comm_coeffs(link)
+        return cls([Device(n, parse_bytes(m)) for n, m in zip(names, memory_bytes)], link)
+
+    @classmethod
+    def from_json(cls, names: Sequence[str], memory_bytes: int | str | Sequence[int | str],
+                  source: str | Mapping) -> "DeviceSet":
+        """Devices whose link costs come from the communication benchmark's JSON (a path or the
+        parsed dict; schema in the module docstring). Listed links whose devices are not in
+        ``names`` are ignored.
+
+        Raises:
+            DeviceError: if the JSON has neither ``default`` nor ``links``, or a malformed entry.
+        """
+        if not isinstance(source, Mapping):
+            with open(source) as f:
+                source = json.load(f)
+        try:
+            links = {(e["src"], e["dst"]): LinkCost(float(e["a_us_per_byte"]), float(e["b_us"]))
+                     for e in source.get("links", [])}
+            default = source.get("default")
+            if default is not None:
+                default = LinkCost(float(default["a_us_per_byte"]), float(default["b_us"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DeviceError(f"malformed communication JSON ({e!r}); expected the schema in "
+                              "baechi/devices.py") from None
+        if default is None:
+            if not links:
+                raise DeviceError("communication JSON has neither 'default' nor 'links'")
+            default = LinkCost(float(np.mean([l.a_us_per_byte for l in links.values()])),
+                               float(np.mean([l.b_us for l in links.values()])))
+        uniform = cls.uniform(names, memory_bytes, default)
+        return cls(uniform.devices, default, links)
+
+    def to_json(self) -> dict:
+        """The link costs in the communication-JSON schema (plus device names and memory)."""
+        return {"default": self.default.to_json(),
+                "links": [{"src": self.names[i], "dst": self.names[j], **c.to_json()}
+                          for (i, j), c in sorted(self.links.items())],
+                "devices": [{"name": d.name, "memory_bytes": d.memory_bytes}
+                            for d in self.devices]}
+
+    def with_memory(self, memory_bytes: int | Sequence[int]) -> "DeviceSet":
+        """The same devices and links with other memory limits."""
+        if isinstance(memory_bytes, (int, np.integer)):
+            memory_bytes = [int(memory_bytes)] * len(self)
+        copy = DeviceSet.__new__(DeviceSet)
+        copy.__dict__.update(self.__dict__)
+        copy.devices = [Device(d.name, int(m)) for d, m in zip(self.devices, memory_bytes)]
+        copy.memory_bytes = np.array(memory_bytes, dtype=np.int64)
+        return copy
+
+    def transfer_us(self, src: int, dst: int, num_bytes: float) -> float:
+        """Time to move ``num_bytes`` from device index ``src`` to ``dst`` (0 when equal)."""
+        return self.a_us_per_byte[src][dst] * num_bytes + self.b_us[src][dst]
+
+    def mean_link(self) -> LinkCost:
+        """The mean link cost over distinct pairs (what m-SCT's LP charges for an edge)."""
+        if len(self) == 1:
+            return LinkCost(0.0, 0.0)
+        costs = list(self.links.values())
+        return LinkCost(float(np.mean([c.a_us_per_byte for c in costs])),
+                        float(np.mean([c.b_us for c in costs])))
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __repr__(self) -> str:
+        return f"DeviceSet({self.names}, memory_bytes={self.memory_bytes.tolist()})"

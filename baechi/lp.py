@@ -1,0 +1,289 @@
+"""The favourite-child LP of SCT, built sparse, solved by HiGHS, cvxopt or MOSEK, and rounded.
+
+Small Communication Time scheduling (Hanen & Munier, "An approximation algorithm for scheduling
+dependent tasks on m processors with small communication delays", Discrete Applied Math. 108,
+2001) relaxes the choice of a "favourite child" per task — the child that runs right after it
+on the same processor, so their edge costs no communication. With ``x_ij`` in [0, 1] per edge
+(0: ``j`` is ``i``'s favourite child), start times ``s`` and makespan ``w``::
+
+    minimise   w
+    subject to s_i + p_i + c_ij * x_ij <= s_j           for every edge i -> j
+               sum_j x_ij >= outdeg(i) - 1               (at most one favourite child)
+               sum_i x_ij >= indeg(j) - 1                (at most one favourite parent)
+               s_i + p_i <= w                            for every sink i
+               0 <= x <= 1,  s >= 0
+
+Baechi's m-SCT (Jeon et al., SoCC 2020, §3.4) solved it with MOSEK (a licence) or cvxopt (which
+reported a feasible 20k-op instance infeasible) and rounded each ``x`` independently against a
+threshold, which can give a parent two favourite children. ``round_favourites`` instead takes
+edges below the threshold in increasing ``x`` and accepts one only if its parent has no
+favourite child and its child no favourite parent yet (a greedy matching), so the rounded
+solution always satisfies both constraints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import scipy.sparse as sp
+
+from baechi.devices import LinkCost
+from baechi.units import CONTROL_EDGE_BYTES, UnitGraph
+
+__all__ = ["LP_SOLVERS", "LPSolverError", "LPSolution", "edge_comm_us", "solve_favourite_lp",
+           "round_favourites"]
+
+LP_SOLVERS = ("highs", "cvxopt", "mosek")
+
+
+class LPSolverError(RuntimeError):
+    """The LP solver is unavailable, unknown, or failed on the favourite-child LP."""
+
+
+@dataclasses.dataclass
+class LPSolution:
+    """Solved favourite-child LP: ``x`` per edge of ``edges`` (2 x m: parent, child units),
+    the LP makespan, the LP's size and the solver's wall time."""
+
+    edges: np.ndarray
+    comm_us: np.ndarray
+    x: np.ndarray
+    makespan_us: float
+    num_rows: int
+    num_cols: int
+    nnz: int
+    solve_s: float
+    solver: str
+
+
+def edge_comm_us(units: UnitGraph, link: LinkCost) -> np.ndarray:
+    """Communication µs of each edge of ``units.edges``: the link cost of the summed distinct
+    tensors the edge carries (a control-only edge, or an empty tensor, costs 4 bytes)."""
+    pair_t, pair_u = units.consumer_pairs()
+    src = units.tensor_producer[pair_t]
+    nbytes = np.maximum(units.tensor_bytes[pair_t], CONTROL_EDGE_BYTES)
+    n = units.num_units
+    edge_key = units.edges[0] * n + units.edges[1]  # sorted: edges come from np.unique
+    per_edge = np.bincount(np.searchsorted(edge_key, src * n + pair_u), weights=nbytes,
+                           minlength=len(edge_key))
+    return link.a_us_per_byte * per_edge + link.b_us
+
+
+def _build(src: np.ndarray, dst: np.ndarray, p: np.ndarray, comm_us: np.ndarray,
+           s_lower: np.ndarray):
+    """(c, A_ub, b_ub, lower, upper) over local units 0..n-1 with columns x (m), s (n), w.
+    Every unit without a successor among the edges counts as a sink."""
+    m, n = len(src), len(p)
+    xs, ss, w = np.arange(m), m + np.arange(n), m + n
+    rows, cols, vals, rhs = [], [], [], []
+
+    def block(r, c, v):
+        rows.append(r), cols.append(c), vals.append(v)
+
+    edge_rows = np.arange(m)
+    block(edge_rows, ss[src], np.ones(m))
+    block(edge_rows, ss[dst], -np.ones(m))
+    block(edge_rows, xs, comm_us)
+    rhs.append(-p[src])
+    next_row = m
+    for ends in (src, dst):  # one favourite child per parent, one favourite parent per child
+        degree = np.bincount(ends, minlength=n)
+        multi = np.flatnonzero(degree >= 2)
+        row_of = np.full(n, -1)
+        row_of[multi] = next_row + np.arange(len(multi))
+        on = degree[ends] >= 2
+        block(row_of[ends[on]], xs[on], -np.ones(on.sum()))
+        rhs.append(-(degree[multi] - 1.0))
+        next_row += len(multi)
+    sinks = np.flatnonzero(np.bincount(src, minlength=n) == 0)
+    sink_rows = next_row + np.arange(len(sinks))
+    block(sink_rows, ss[sinks], np.ones(len(sinks)))
+    block(sink_rows, np.full(len(sinks), w), -np.ones(len(sinks)))
+    rhs.append(-p[sinks])
+    num_rows = next_row + len(sinks)
+    a_ub = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                         shape=(num_rows, m + n + 1))
+    c = np.zeros(m + n + 1)
+    c[w] = 1.0
+    lower = np.zeros(m + n + 1)
+    lower[m:m + n] = s_lower
+    upper = np.full(m + n + 1, np.inf)
+    upper[:m] = 1.0
+    return c, a_ub, np.concatenate(rhs), lower, upper
+
+
+def _solve_highs(c, a_ub, b_ub, lower, upper) -> np.ndarray:
+    from scipy.optimize import linprog
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, bounds=np.stack([lower, upper], axis=1),
+                  method="highs")
+    if res.status != 0:
+        raise LPSolverError(f"HiGHS did not solve the favourite-child LP: {res.message}")
+    return res.x
+
+
+def _solve_cvxopt(c, a_ub, b_ub, lower, upper) -> np.ndarray:
+    import cvxopt
+    from cvxopt import solvers
+    num_cols = len(c)
+    finite = np.flatnonzero(np.isfinite(upper))
+    g = sp.vstack([a_ub, -sp.identity(num_cols, format="csr"),
+                   sp.identity(num_cols, format="csr")[finite]]).tocoo()
+    h = np.concatenate([b_ub, -lower, upper[finite]])
+    result = solvers.lp(cvxopt.matrix(c), cvxopt.spmatrix(g.data, g.row, g.col, g.shape),
+                        cvxopt.matrix(h), options={"show_progress": False})
+    if result["status"] != "optimal":
+        raise LPSolverError(f"cvxopt did not solve the favourite-child LP (status "
+                            f"{result['status']!r}); use lp_solver='highs'")
+    return np.array(result["x"]).ravel()
+
+
+def _solve_mosek(c, a_ub, b_ub, lower, upper) -> np.ndarray:
+    try:
+        import mosek
+    except ImportError:
+        raise LPSolverError(
+            "lp_solver='mosek' needs the MOSEK Python package and a licence, and the package "
+            "is not installed; use lp_solver='highs' (default, bundled with scipy) or "
+            "lp_solver='cvxopt'") from None
+    a = a_ub.tocoo()
+    try:
+        with mosek.Env() as env, env.Task(0, 0) as task:
+            num_rows, num_cols = a_ub.shape
+            task.appendvars(num_cols)
+            task.appendcons(num_rows)
+            task.putclist(list(range(num_cols)), c.tolist())
+            keys = [mosek.boundkey.ra if np.isfinite(u) else mosek.boundkey.lo for u in upper]
+            task.putvarboundslice(0, num_cols, keys, lower.tolist(),
+                                  np.where(np.isfinite(upper), upper, 0.0).tolist())
+            task.putaijlist(a.row.tolist(), a.col.tolist(), a.data.tolist())
+            task.putconboundslice(0, num_rows, [mosek.boundkey.up] * num_rows,
+                                  [0.0] * num_rows, b_ub.tolist())
+            task.putobjsense(mosek.objsense.minimize)
+            task.optimize()
+            return np.array(task.getxx(mosek.soltype.itr))
+    except mosek.Error as e:
+        raise LPSolverError(
+            f"MOSEK failed ({e}); without a valid licence use lp_solver='highs' (default) or "
+            "lp_solver='cvxopt'") from None
+
+
+_SOLVERS = {"highs": _solve_highs, "cvxopt": _solve_cvxopt, "mosek": _solve_mosek}
+
+
+def solve_favourite_lp(units: UnitGraph, link: LinkCost, solver: str = "highs",
+                       max_units_per_lp: int = 10000) -> LPSolution:
+    """Build and solve the favourite-child LP of a unit graph.
+
+    Graphs larger than ``max_units_per_lp`` are solved window by window along the topological
+    order (the simplex time grows faster than linearly): an edge between windows is fixed as
+    "not favourite" (x = 1) and turns into a lower bound on its child's start time, taken from
+    the earliest start times implied by the earlier windows' solutions. Each window's LP
+    minimises that window's completion time. A single window is the exact LP.
+
+    Parameters:
+        units: the unit graph (its ``edges`` are the LP's edges).
+        link: the link cost charged for a non-favourite edge (e.g. ``DeviceSet.mean_link()``).
+        solver: ``"highs"`` (scipy's HiGHS dual simplex, default), ``"cvxopt"`` or ``"mosek"``.
+        max_units_per_lp: window size.
+
+    Returns:
+        ``LPSolution`` with ``x`` per edge; size (rows, columns, non-zeros) and solve time
+        summed over windows; ``makespan_us`` the last finish implied by the solution.
+
+    Raises:
+        LPSolverError: unknown solver, solver not installed or unlicensed (the message names
+            the alternatives), or the solver failed.
+
+    References:
+        Hanen & Munier, Discrete Applied Mathematics 108(3), 2001; Jeon et al., SoCC 2020.
+    """
+    if solver not in _SOLVERS:
+        raise LPSolverError(f"unknown lp_solver {solver!r}; choose one of {LP_SOLVERS}")
+    comm = edge_comm_us(units, link)
+    src, dst = units.edges
+    n = units.num_units
+    p = units.compute_us
+    order = units.topological_order
+    window_of = np.empty(n, dtype=np.int64)
+    window_of[order] = np.arange(n) // max(1, max_units_per_lp)
+    local = np.empty(n, dtype=np.int64)
+    x = np.ones(len(src))
+    start_us = np.zeros(n)
+    in_offset = np.zeros(n + 1, dtype=np.int64)
+    by_dst = np.argsort(dst, kind="stable")
+    np.cumsum(np.bincount(dst, minlength=n), out=in_offset[1:])
+    num_rows = num_cols = nnz = 0
+    elapsed = 0.0
+    for k in range(int(window_of.max()) + 1 if n else 0):
+        members = order[window_of[order] == k]
+        local[members] = np.arange(len(members))
+        inside = np.flatnonzero((window_of[src] == k) & (window_of[dst] == k))
+        incoming = np.flatnonzero((window_of[src] < k) & (window_of[dst] == k))
+        s_lower = np.zeros(len(members))
+        np.maximum.at(s_lower, local[dst[incoming]],
+                      start_us[src[incoming]] + p[src[incoming]] + comm[incoming])
+        # Times in units of the largest cost keep the solvers well conditioned (cvxopt's
+        # interior point stalls on raw microseconds).
+        scale = max(float(p[members].max(initial=0.0)), float(comm[inside].max(initial=0.0)),
+                    1.0)
+        c, a_ub, b_ub, lower, upper = _build(local[src[inside]], local[dst[inside]],
+                                             p[members] / scale, comm[inside] / scale,
+                                             s_lower / scale)
+        began = time.perf_counter()
+        solution = _SOLVERS[solver](c, a_ub, b_ub, lower, upper)
+        elapsed += time.perf_counter() - began
+        x[inside] = np.clip(solution[:len(inside)], 0.0, 1.0)
+        num_rows, num_cols, nnz = num_rows + a_ub.shape[0], num_cols + a_ub.shape[1], \
+            nnz + a_ub.nnz
+        # Earliest starts implied by the solution, for the next windows' bounds.
+        delay = (p[src] + comm * x).tolist()
+        src_l, start_l = src.tolist(), start_us.tolist()
+        for u in members.tolist():
+            edges = by_dst[in_offset[u]:in_offset[u + 1]].tolist()
+            start_l[u] = max((start_l[src_l[e]] + delay[e] for e in edges), default=0.0)
+        start_us = np.array(start_l)
+    return LPSolution(edges=units.edges, comm_us=comm, x=x,
+                      makespan_us=float((start_us + p).max()) if n else 0.0,
+                      num_rows=num_rows, num_cols=num_cols, nnz=nnz, solve_s=elapsed,
+                      solver=solver)
+
+
+def round_favourites(edges: np.ndarray, x: np.ndarray, num_units: int, threshold: float = 0.5,
+                     comm_us: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Round an LP solution to favourite children/parents, one at most per unit each way.
+
+    Edges with ``x < threshold`` are candidates, taken in increasing ``x`` (ties: larger
+    ``comm_us`` first, the transfer most worth saving); an edge is accepted when its parent has
+    no favourite child and its child no favourite parent yet.
+
+    Parameters:
+        edges: 2 x m array (parent unit, child unit).
+        x: LP value per edge (0: favourite).
+        num_units: number of units.
+        threshold: largest ``x`` that may still become a favourite.
+        comm_us: optional edge communication cost for tie-breaking.
+
+    Returns:
+        ``(favourite_child, favourite_parent)``: int64 arrays per unit, -1 for none, with
+        ``favourite_parent[favourite_child[i]] == i`` wherever a child is set.
+
+    Examples:
+        >>> import numpy as np
+        >>> edges = np.array([[0, 0, 1], [1, 2, 2]])  # 0->1, 0->2, 1->2
+        >>> child, parent = round_favourites(edges, np.array([0.0, 0.1, 0.2]), 3)
+        >>> child.tolist(), parent.tolist()
+        ([1, 2, -1], [-1, 0, 1])
+    """
+    x = np.asarray(x, dtype=np.float64)
+    ties = -np.asarray(comm_us) if comm_us is not None else np.zeros(len(x))
+    candidates = np.flatnonzero(x < threshold)
+    candidates = candidates[np.lexsort((ties[candidates], x[candidates]))]
+    child = np.full(num_units, -1, dtype=np.int64)
+    parent = np.full(num_units, -1, dtype=np.int64)
+    child_l, parent_l = child.tolist(), parent.tolist()
+    for i, j in edges[:, candidates].T.tolist():
+        if child_l[i] == -1 and parent_l[j] == -1:
+            child_l[i], parent_l[j] = j, i
+    return np.array(child_l, dtype=np.int64), np.array(parent_l, dtype=np.int64)

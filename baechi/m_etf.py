@@ -1,0 +1,210 @@
+"""m-ETF: memory-constrained earliest-task-first list scheduling.
+
+ETF (Hwang, Chow, Anger & Lee, SIAM J. Comput. 1989) repeatedly starts the ready task that can
+start earliest, on the processor where it starts earliest, with communication delays on the
+edges. Baechi's m-ETF (Jeon et al., SoCC 2020, §3.4) adds memory: a device whose free memory
+cannot hold the op is excluded, and a colocation group is pinned to the device of its first
+placed op.
+
+This implementation keeps two heaps per device: ready units whose inputs are not there yet,
+keyed by data-ready time, and units that could start as soon as the device is free, keyed by
+priority (longest compute path to the end, "bottom level"). The earliest (unit, device) pair is
+the best of the D heap tops, so a step costs O(D log n) instead of scanning every ready unit on
+every device. Entries go stale lazily (a unit committed elsewhere, a group pinned elsewhere, a
+link that got busier) and are re-checked when they reach a top. When a ready
+unit fits on no allowed device, it waits for the next memory release; if nothing will ever be
+released the instance is reported with the shortfall instead of deadlocking (Baechi's m-ETF
+could hang here with co-placement under tight memory). To make that rarer, the last 20% of each
+device's memory is a reserve: a unit that would grow a device into it (allocating more than it
+releases) waits while any other unit can run, so the consumers that release memory run first.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from baechi.devices import DeviceSet
+from baechi.schedule import PlacementError, Schedule, ScheduleBuilder
+from baechi.units import UnitGraph
+
+__all__ = ["m_etf"]
+
+_EPS_US = 1e-9
+RESERVE_FRACTION = 0.2
+
+
+def _shortfall_message(builder: ScheduleBuilder, blocked: list[int], method: str) -> str:
+    units, names = builder.units, builder.devices.names
+    best = min(((builder.shortfall_bytes(u, d), u, d) for u in blocked
+                for d in range(builder.num_devices)))
+    short, u, d = best
+    return (f"{method}: {len(blocked)} ready units fit on no device and no memory will be "
+            f"released; unit {units.unit_name(u)!r} misses {short} bytes on {names[d]} "
+            f"(limit {builder.limit[d]} bytes, {builder.level[d]} in use). Raise the device "
+            f"memory by at least {short} bytes, rematerialize, or use fewer colocation "
+            "constraints (placer_type='default').")
+
+
+def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
+          favourite_parent: np.ndarray | None = None, method: str = "m_etf") -> Schedule:
+    """Place and schedule ``units`` on ``devices`` with memory-constrained ETF.
+
+    Parameters:
+        units: the unit graph (one op per unit, or fused units).
+        devices: the devices, their memory limits and link costs.
+        memory_model: ``"liveness"`` (default) or ``"static"`` for the fit test.
+        favourite_parent: per unit, the parent whose device it should run on (-1: none).
+            m-SCT passes its rounded LP solution here; a unit whose favourite parent's
+            device has room goes there, otherwise it is placed as in plain ETF.
+        method: name used in error messages.
+
+    Returns:
+        The ``Schedule`` (device, start and finish per unit; exact per-device peak bytes).
+
+    Raises:
+        PlacementError: when ready units fit on no device and no memory will be released;
+            the message names the unit, the device and the missing bytes.
+
+    References:
+        Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020.
+        Hwang et al., "Scheduling precedence graphs in systems with interprocessor
+        communication times", SIAM J. Comput. 18(2), 1989.
+    """
+    builder = ScheduleBuilder(units, devices, memory_model)
+    num_devices = len(devices)
+    priority = (-units.bottom_level_us()).tolist()
+    group = units.group.tolist()
+    fav = favourite_parent.tolist() if favourite_parent is not None else None
+    all_devices = range(num_devices)
+    # Per device: units whose data is not there yet, keyed by data-ready time; units that could
+    # start as soon as the device is free, keyed by priority. Entries go stale lazily.
+    waiting = [[] for _ in all_devices]      # (data ready us, priority, unit)
+    startable = [[] for _ in all_devices]    # (priority, data ready us, unit)
+    queued = [0] * units.num_units           # bit d: unit is in device d's heaps
+    blocked: list[set[int]] = [set() for _ in all_devices]
+    # Memory reserve: a unit that would grow a device into its last RESERVE_FRACTION waits
+    # while anything else can run, so consumers that release memory get room first.
+    reserve = (RESERVE_FRACTION * devices.memory_bytes).tolist()
+    held: list[set[int]] = [set() for _ in all_devices]
+    use_reserve = False
+
+    def enqueue(u: int, devs) -> None:
+        for d in devs:
+            if not queued[u] >> d & 1:
+                queued[u] |= 1 << d
+                heapq.heappush(waiting[d], (builder.data_ready_us(u, d), priority[u], u))
+
+    def on_ready(u: int) -> None:
+        pinned = builder.group_device[group[u]]
+        if pinned != -1:
+            enqueue(u, (pinned,))
+        elif fav is not None and fav[u] != -1 and builder.shortfall_bytes(
+                u, builder.device[fav[u]]) <= 0:
+            enqueue(u, (builder.device[fav[u]],))
+        else:
+            enqueue(u, all_devices)
+
+    def drop(u: int, d: int, heap: list) -> None:
+        """Remove u's entry, normally the top (a requeue may have pushed a smaller one)."""
+        if heap[0][2] == u:
+            heapq.heappop(heap)
+        else:
+            k = next(k for k, entry in enumerate(heap) if entry[2] == u)
+            heap[k] = heap[-1]
+            heap.pop()
+            heapq.heapify(heap)
+        queued[u] &= ~(1 << d)
+
+    def stale(u: int, d: int, heap: list) -> bool:
+        """Pop entries of committed units or units whose group went to another device."""
+        if builder.device[u] != -1:
+            drop(u, d, heap)
+            return True
+        pinned = builder.group_device[group[u]]
+        if pinned != -1 and pinned != d:
+            drop(u, d, heap)
+            enqueue(u, (pinned,))
+            return True
+        return False
+
+    def candidate(d: int):
+        """(start, priority, data ready, device, unit, heap) of device d's best unit."""
+        free = max(builder.device_free[d], builder.clock)
+        wait, ok = waiting[d], startable[d]
+        while wait and wait[0][0] <= free:
+            ready, prio, u = heapq.heappop(wait)
+            heapq.heappush(ok, (prio, ready, u))
+        while ok:
+            prio, ready, u = ok[0]
+            if not stale(u, d, ok):
+                return free, prio, ready, d, u, ok
+        while wait:
+            ready, prio, u = wait[0]
+            if not stale(u, d, wait):
+                return max(ready, free), prio, ready, d, u, wait
+        return None
+
+    for u in builder.initially_ready():
+        on_ready(u)
+    remaining = units.num_units
+    while remaining:
+        best = min(filter(None, map(candidate, all_devices)), default=None,
+                   key=lambda c: c[:4])
+        if best is None:
+            if any(held):  # nothing else can run: let the held-back units use all memory
+                _requeue(held, enqueue)
+                use_reserve = True
+                continue
+            next_free = builder.next_free_us()
+            if next_free is not None:
+                builder.advance(next_free)
+                _requeue(blocked, enqueue)
+                continue
+            # No release ahead; a unit's need may still have shrunk (a copy of its input
+            # arrived meanwhile) or it may fit on a device it was not tried on.
+            stuck = sorted(set().union(*blocked))
+            fits = {u: [d for d in all_devices if builder.shortfall_bytes(u, d) <= 0]
+                    for u in stuck}
+            if not any(fits.values()):
+                raise PlacementError(_shortfall_message(builder, stuck, method))
+            for u, devs in fits.items():
+                if devs:
+                    for b in blocked:
+                        b.discard(u)
+                    enqueue(u, devs)
+            continue
+        start, _, ready, d, u, heap = best
+        now_ready = builder.data_ready_us(u, d)
+        if now_ready > ready + _EPS_US:  # a link got busier since the estimate
+            drop(u, d, heap)
+            queued[u] |= 1 << d
+            heapq.heappush(waiting[d], (now_ready, priority[u], u))
+            continue
+        drop(u, d, heap)
+        if builder.advance(start):
+            _requeue(blocked, enqueue)
+        short = builder.shortfall_bytes(u, d)
+        if short > 0:
+            blocked[d].add(u)
+            if not queued[u] and builder.group_device[group[u]] == -1:
+                # e.g. its favourite parent's device is full: try the devices not yet tried
+                enqueue(u, [e for e in all_devices if u not in blocked[e]])
+            continue
+        if not use_reserve and short > -reserve[d] and builder.growth_bytes(u, d) > 0:
+            held[d].add(u)
+            continue
+        use_reserve = False
+        remaining -= 1
+        for v in builder.commit(u, d):
+            on_ready(v)
+    return builder.finish_schedule()
+
+
+def _requeue(blocked: list[set[int]], enqueue) -> None:
+    """Give units that did not fit another chance after memory was released."""
+    for d, units in enumerate(blocked):
+        for u in units:
+            enqueue(u, (d,))
+        units.clear()

@@ -1,0 +1,54 @@
+"""m-SCT: SCT's favourite children, from an LP, guiding memory-constrained list scheduling.
+
+Hanen & Munier's SCT algorithm solves an LP relaxation that picks for each task at most one
+"favourite child" to run on its processor without communication, rounds it, and list-schedules
+with that preference. Baechi's m-SCT (Jeon et al., SoCC 2020, §3.4) adds the memory constraint
+and colocation. Here the LP is ``baechi.lp`` (sparse, HiGHS by default), the rounding is the
+greedy matching of ``baechi.lp.round_favourites`` (never two favourites per parent or per
+child), and the list scheduling is ``baechi.m_etf.m_etf`` with the rule that a unit goes to its
+favourite parent's device when that device has room for it.
+"""
+
+from __future__ import annotations
+
+from baechi.devices import DeviceSet
+from baechi.lp import round_favourites, solve_favourite_lp
+from baechi.m_etf import m_etf
+from baechi.schedule import Schedule
+from baechi.units import UnitGraph
+
+__all__ = ["m_sct"]
+
+
+def m_sct(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
+          threshold: float = 0.5, lp_solver: str = "highs") -> Schedule:
+    """Place and schedule ``units`` with m-SCT.
+
+    Parameters:
+        units: the unit graph.
+        devices: devices, memory limits and link costs (the LP charges the mean link cost).
+        memory_model: ``"liveness"`` (default) or ``"static"`` for the fit test.
+        threshold: LP value below which an edge may become a favourite (``--sct_threshold``).
+        lp_solver: ``"highs"`` (default), ``"cvxopt"`` or ``"mosek"``.
+
+    Returns:
+        The ``Schedule``; ``info`` holds the LP's rows, columns, non-zeros, solve seconds,
+        LP makespan and the number of favourite edges.
+
+    Raises:
+        LPSolverError: the LP solver is unavailable or failed (the message names alternatives).
+        PlacementError: ready units fit on no device and no memory will be released.
+
+    References:
+        Hanen & Munier, Discrete Applied Mathematics 108(3), 2001.
+        Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020.
+    """
+    lp = solve_favourite_lp(units, devices.mean_link(), lp_solver)
+    _, favourite_parent = round_favourites(lp.edges, lp.x, units.num_units, threshold, lp.comm_us)
+    schedule = m_etf(units, devices, memory_model, favourite_parent=favourite_parent,
+                     method="m_sct")
+    schedule.info.update(lp_rows=lp.num_rows, lp_cols=lp.num_cols, lp_nnz=lp.nnz,
+                         lp_solve_s=lp.solve_s, lp_solver=lp.solver,
+                         lp_makespan_us=lp.makespan_us,
+                         favourite_edges=int((favourite_parent >= 0).sum()))
+    return schedule

@@ -1,0 +1,251 @@
+"""The placement pass: cost graph + devices -> Placement (every op's device and the simulated step).
+
+Pipeline (Baechi, Jeon et al., SoCC 2020, §3): group (TF colocation, optionally co-placement) ->
+build placement units (one op each, or fused groups) -> place with m-TOPO, m-ETF or m-SCT under
+per-device memory limits -> simulate the step on the original ops with the chosen devices and
+order -> check the postconditions (every op placed, each device's simulated peak within its
+limit, every colocation group on one device).
+
+``placer_type``:
+
+- ``"default"``: one unit per op; TF's colocation groups are kept on one device.
+- ``"colocation"``: one unit per op; the ``grouper``'s groups are kept on one device.
+- ``"fusion"``: the ``grouper``'s groups are fused into units (``baechi.fusion``) first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from baechi.devices import DeviceSet
+from baechi.fusion import fuse
+from baechi.grouping import GROUPERS, coplacement_groups, tf_colocation_groups
+from baechi.lp import LP_SOLVERS
+from baechi.m_etf import m_etf
+from baechi.m_sct import m_sct
+from baechi.m_topo import m_topo
+from baechi.memory import check_memory_model
+from baechi.schedule import PlacementError, Schedule, simulate
+from baechi.units import UnitGraph
+from profiler.cost_graph import CostGraph
+
+__all__ = ["METHODS", "PLACER_TYPES", "Placement", "PlacementError", "makespan_lower_bound_us",
+           "place"]
+
+METHODS = ("m_topo", "m_etf", "m_sct")
+PLACER_TYPES = ("default", "colocation", "fusion")
+MAX_ATTEMPTS = 4
+
+
+@dataclasses.dataclass
+class Placement:
+    """A placement of a cost graph and its simulated step.
+
+    Attributes:
+        graph: the original cost graph.
+        devices: the device set.
+        device_index: device index per original op.
+        schedule: the simulated step over the original ops (makespan, peaks, Chrome trace).
+        unit_schedule: the placer's own schedule over its units (LP statistics in ``info``).
+        units: the placement units (``unit_of_op`` maps ops to units).
+        options: method, placer_type, grouper, memory_model, sct_threshold, lp_solver.
+        placement_s: wall time of grouping, fusion and placing (not the final simulation).
+    """
+
+    graph: CostGraph
+    devices: DeviceSet
+    device_index: np.ndarray
+    schedule: Schedule
+    unit_schedule: Schedule
+    units: UnitGraph
+    options: dict
+    placement_s: float
+
+    def op_devices(self) -> dict[str, str]:
+        """Device name per original op name (what to write into ``NodeDef.device``)."""
+        names = self.devices.names
+        return {op: names[d] for op, d in zip(self.graph.names, self.device_index.tolist())}
+
+    @property
+    def makespan_us(self) -> float:
+        return self.schedule.makespan_us
+
+    @property
+    def peak_bytes(self) -> np.ndarray:
+        """Simulated peak bytes per device (under the placement's memory model)."""
+        return self.schedule.peak_bytes
+
+    def summary(self) -> dict:
+        """JSON-ready numbers: options, sizes, times, makespan, lower bound and peaks."""
+        lower = makespan_lower_bound_us(self.graph, len(self.devices))
+        return {**self.options, "num_ops": self.graph.num_ops,
+                "num_units": self.units.num_units, "placement_s": self.placement_s,
+                "makespan_us": self.makespan_us, "lower_bound_us": lower,
+                "makespan_over_lower_bound": self.makespan_us / lower if lower else 1.0,
+                "peak_bytes": self.peak_bytes.tolist(),
+                "memory_bytes": self.devices.memory_bytes.tolist(),
+                "ops_per_device": np.bincount(self.device_index,
+                                              minlength=len(self.devices)).tolist(),
+                **{k: v for k, v in self.unit_schedule.info.items()}}
+
+
+def makespan_lower_bound_us(graph: CostGraph, num_devices: int) -> float:
+    """max(critical path, total compute / devices), communication ignored."""
+    if graph.num_ops == 0:
+        return 0.0
+    ops = UnitGraph.singletons(graph, np.zeros(graph.num_ops, dtype=np.int64))
+    return float(max(ops.bottom_level_us().max(), graph.compute_us.sum() / num_devices))
+
+
+def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {allowed}")
+
+
+def _check_fits(units: UnitGraph, devices: DeviceSet) -> None:
+    """Fail early, with the missing bytes, on instances no placer can solve."""
+    limit = int(devices.memory_bytes.max())
+    total = int(devices.memory_bytes.sum())
+    persistent = int(units.persistent_bytes.sum())
+    if persistent > total:
+        raise PlacementError(
+            f"the variables alone need {persistent} bytes but the devices hold {total} in "
+            f"total: {persistent - total} bytes do not fit")
+    group_persistent = np.bincount(units.group, weights=units.persistent_bytes,
+                                   minlength=units.num_groups)
+    need = group_persistent[units.group] + units.output_bytes + units.temp_bytes
+    worst = int(np.argmax(need)) if units.num_units else 0
+    if units.num_units and need[worst] > limit:
+        raise PlacementError(
+            f"unit {units.unit_name(worst)!r} with its colocation group's variables needs "
+            f"{int(need[worst])} bytes but the largest device holds {limit}: "
+            f"{int(need[worst]) - limit} bytes do not fit")
+
+
+def _check_postconditions(placement: Placement, tf_groups: np.ndarray,
+                          groups: np.ndarray) -> None:
+    device = placement.device_index
+    if len(device) != placement.graph.num_ops or (device < 0).any():
+        raise PlacementError("some op was not placed")
+    over = placement.peak_bytes - placement.devices.memory_bytes
+    if (over > 0).any():
+        d = int(np.argmax(over))
+        raise PlacementError(
+            f"the simulated step peaks at {int(placement.peak_bytes[d])} bytes on "
+            f"{placement.devices.names[d]}, {int(over[d])} over its limit (the placers' fit "
+            "test approximates received copies and fused units, see baechi.schedule); raise "
+            "the limit by "
+            f"{int(over[d])} bytes or use memory_model='static'")
+    for name, g in (("TF colocation", tf_groups), ("chosen", groups)):
+        lo = np.full(int(g.max(initial=-1)) + 1, len(placement.devices))
+        hi = np.full(len(lo), -1)
+        np.minimum.at(lo, g, device)
+        np.maximum.at(hi, g, device)
+        if (lo != hi).any():
+            op = placement.graph.names[int(np.flatnonzero((lo != hi)[g])[0])]
+            raise PlacementError(f"{name} group of op {op!r} is split across devices")
+
+
+def _op_order(graph: CostGraph, units: UnitGraph, unit_schedule: Schedule) -> np.ndarray:
+    """The original ops in order of their start within the fused schedule (a unit's ops run
+    back to back from the unit's start, in op order); ties by the units' commit order. This is
+    a topological order that keeps the replay's start times close to the fused schedule's."""
+    unit = units.unit_of_op
+    by_unit = np.lexsort((np.arange(graph.num_ops), unit))
+    compute = graph.compute_us[by_unit]
+    before = np.cumsum(compute) - compute
+    first = np.searchsorted(unit[by_unit], np.arange(units.num_units))
+    offset = np.empty(graph.num_ops)
+    offset[by_unit] = before - before[first[unit[by_unit]]]
+    position = np.empty(units.num_units, dtype=np.int64)
+    position[unit_schedule.order] = np.arange(units.num_units)
+    start = unit_schedule.start_us[unit] + offset
+    return np.lexsort((np.arange(graph.num_ops), position[unit], start))
+
+
+def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
+          placer_type: str = "default", grouper: str = "tf", memory_model: str = "liveness",
+          sct_threshold: float = 0.5, lp_solver: str = "highs") -> Placement:
+    """Place every op of ``cost_graph`` on ``devices`` within their memory limits.
+
+    Parameters:
+        cost_graph: the profiled (or estimated) cost graph.
+        devices: device names, memory limits and link costs.
+        method: ``"m_topo"``, ``"m_etf"`` (default) or ``"m_sct"``.
+        placer_type: ``"default"``, ``"colocation"`` or ``"fusion"`` (module docstring).
+        grouper: ``"tf"`` (colocation groups) or ``"coplace"`` (plus Baechi's co-placement).
+        memory_model: ``"liveness"`` (default) or ``"static"`` (``baechi.memory``).
+        sct_threshold: m-SCT's LP rounding threshold.
+        lp_solver: m-SCT's LP solver: ``"highs"`` (default), ``"cvxopt"``, ``"mosek"``.
+
+    Returns:
+        The checked ``Placement``.
+
+    Raises:
+        PlacementError: the instance does not fit (the message says how many bytes are
+            missing) or a postcondition failed.
+        LPSolverError: the requested LP solver is unavailable.
+        ValueError: an unknown option.
+
+    Examples:
+        >>> from profiler.synthetic import training_like
+        >>> from baechi.devices import DeviceSet
+        >>> devs = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], "4GiB",
+        ...                          "0.0001754,134")
+        >>> graph = training_like(200)
+        >>> p = place(graph, devs, method="m_etf")
+        >>> len(p.op_devices()) == graph.num_ops and bool((p.peak_bytes <= devs.memory_bytes).all())
+        True
+    """
+    _check_option("method", method, METHODS)
+    _check_option("placer_type", placer_type, PLACER_TYPES)
+    _check_option("grouper", grouper, GROUPERS)
+    _check_option("lp_solver", lp_solver, LP_SOLVERS)
+    check_memory_model(memory_model)
+    began = time.perf_counter()
+    tf_groups = tf_colocation_groups(cost_graph)
+    groups = tf_groups if grouper == "tf" else coplacement_groups(cost_graph, tf_groups)
+    if placer_type == "fusion":
+        units = fuse(cost_graph, groups)
+    else:
+        units = UnitGraph.singletons(cost_graph, tf_groups if placer_type == "default"
+                                     else groups)
+    _check_fits(units, devices)
+    # The placers' fit test is approximate (received copies, fused units): when the exact
+    # simulation overshoots a device, place again with that device's limit lowered by the
+    # overshoot, a few times at most.
+    limits = devices.memory_bytes.copy()
+    placement_s = 0.0
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        began_attempt = time.perf_counter()
+        placer_devices = devices.with_memory(limits.tolist())
+        if method == "m_topo":
+            unit_schedule = m_topo(units, placer_devices, memory_model)
+        elif method == "m_etf":
+            unit_schedule = m_etf(units, placer_devices, memory_model)
+        else:
+            unit_schedule = m_sct(units, placer_devices, memory_model, sct_threshold, lp_solver)
+        placement_s += time.perf_counter() - (began if attempt == 1 else began_attempt)
+        device_index = unit_schedule.device[units.unit_of_op]
+        if units.num_units == cost_graph.num_ops:
+            schedule = dataclasses.replace(unit_schedule, devices=devices)
+        else:
+            order = _op_order(cost_graph, units, unit_schedule)
+            schedule = simulate(UnitGraph.singletons(cost_graph, tf_groups), devices,
+                                device_index, order, memory_model)
+        over = schedule.peak_bytes - devices.memory_bytes
+        if (over <= 0).all():
+            break
+        limits = limits - np.maximum(over, 0)
+    unit_schedule.info["placement_attempts"] = attempt
+    placement = Placement(
+        graph=cost_graph, devices=devices, device_index=device_index, schedule=schedule,
+        unit_schedule=unit_schedule, units=units, placement_s=placement_s,
+        options={"method": method, "placer_type": placer_type, "grouper": grouper,
+                 "memory_model": memory_model, "sct_threshold": sct_threshold,
+                 "lp_solver": lp_solver})
+    _check_postconditions(placement, tf_groups, groups)
+    return placement

@@ -1,0 +1,97 @@
+"""Place a training step, run it placed, and compare the plan with what was measured.
+
+The whole placement path on a ``GraphItem``: cost graph (measured profile where given, static
+estimates elsewhere) -> ``baechi.place.place`` -> ``baechi.apply.apply_placement`` -> one step
+against the single-device step (loss and gradients must match) -> a traced run on the target for
+per-device peak memory against each device's limit. ``tools/train.py`` calls it for
+``--num_devices > 1``.
+
+Reference: Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baechi.apply import apply_placement
+from baechi.devices import DeviceSet
+from baechi.place import Placement, place
+from baechi.run import RunTarget, compare_step, measure_placed_run
+from models.graph_item import GraphItem
+from profiler.profile import Profile
+from profiler.tf_import import cost_graph_from_graph
+from profiler.trace import step_fetches
+
+__all__ = ["place_item", "place_and_check"]
+
+
+def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = None,
+               **place_options: Any) -> tuple[GraphItem, Placement]:
+    """Place ``item``'s step on ``devices`` and write the devices into a copy of its graph.
+
+    Parameters:
+        item: the training step.
+        devices: device names (those of the run target), memory limits and link costs.
+        profile: measured costs of ``item`` (else every cost is a static estimate).
+        place_options: passed to ``baechi.place.place`` (method, placer_type, grouper,
+            memory_model, sct_threshold, lp_solver).
+
+    Returns:
+        (the placed item, the ``Placement``).
+
+    Raises:
+        baechi.schedule.PlacementError: the step does not fit the devices (from the placer), or
+            the placement breaks a colocation constraint (``ColocationError``).
+        profiler.profile.ProfileMismatchError: ``profile`` was measured on another graph.
+    """
+    cost_graph = cost_graph_from_graph(item.graph, step_fetches(item), profile)
+    placement = place(cost_graph, devices, **place_options)
+    return apply_placement(item, placement.op_devices()), placement
+
+
+def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,
+                    profile: Profile | None = None, **place_options: Any
+                    ) -> tuple[GraphItem, dict]:
+    """Place ``item`` on ``run_target``, check the placed step equals the single-device step,
+    and measure per-device peak memory against the limits of ``devices``.
+
+    Parameters:
+        item: the training step.
+        run_target: where the placed step runs (``baechi.run.local_target`` or a
+            ``LocalCluster``'s target); its device names must be ``devices.names``.
+        devices: the placer's device set.
+        profile: measured costs of ``item``.
+        place_options: see ``place_item``.
+
+    Returns:
+        (the placed item, a JSON-ready report: ``Placement.summary()`` (options, placement
+        time, makespan and its lower bound, LP statistics), and per device name the ops, the
+        planned and measured peaks, the limit and any excess; the loss/gradient comparison).
+
+    Raises:
+        ValueError: ``devices`` and ``run_target`` name different devices.
+        baechi.run.StepMismatchError: the placed step's loss or gradients differ.
+        baechi.run.DeviceMismatchError: the run's devices do not line up with the placement.
+    """
+    if list(devices.names) != list(run_target.devices):
+        raise ValueError(f"the device set {devices.names} is not the run target's devices "
+                         f"{list(run_target.devices)}")
+    placed, placement = place_item(item, devices, profile, **place_options)
+    comparison = compare_step(item, placed, run_target)
+    comparison.check()
+    limits = {name: int(limit) for name, limit in zip(devices.names, devices.memory_bytes)}
+    measured = measure_placed_run(placed, run_target, limits, steps=1, warmup=1, trace_every=1)
+    summary = placement.summary()
+    names = list(devices.names)
+    report = {
+        "plan": summary, "target": run_target.kind, "devices": names,
+        "ops_per_device": dict(zip(names, summary["ops_per_device"])),
+        "planned_peak_bytes": dict(zip(names, summary["peak_bytes"])),
+        "limit_bytes": limits,
+        "measured_peak_bytes": measured.peak_bytes,
+        "over_limit_bytes": measured.over_limit_bytes,
+        "loss_single_device": comparison.loss_reference, "loss_placed": comparison.loss_placed,
+        "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
+        "equal_to_single_device": comparison.equal,
+    }
+    return placed, report

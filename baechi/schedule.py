@@ -1,0 +1,391 @@
+"""Event machinery shared by the placers and the step simulator.
+
+``ScheduleBuilder`` commits units to devices one at a time, in a nondecreasing "clock" of start
+times (list scheduling): a unit starts when its device is free and its inputs have arrived;
+a tensor crossing devices is sent once per destination device (later readers there reuse the
+copy) and transfers are serialised per link direction (an ordered device pair), each starting
+when the tensor exists and the link is free. m-TOPO, m-ETF and m-SCT differ only in which unit
+they commit next and where; ``simulate`` replays a given placement and order with the same
+machinery, so a placer's schedule and the simulated step are the same computation.
+
+Memory during list scheduling (the placers' fit test) follows ``baechi.memory``: under the
+liveness model a tensor is charged to a device from its producer's commit (or the copy's
+transfer) until every consumer has been committed and the local ones have finished; under the
+static model nothing is ever released. The test is made at commit time against the bytes
+resident at the current clock, which is an approximation for received copies (their transfer
+may start before the clock, so a peak before the clock can grow by the copy; on training-like
+graphs at the tightest limits this reached tens of MB). The exact per-device peak of the final
+schedule is computed by ``baechi.memory.device_peak_bytes``; ``baechi.place`` checks it and, on
+an overshoot, places again with that device's limit lowered by the overshoot. Persistent bytes (variables) are reserved for a whole colocation group when its
+first unit is placed, against the highest level the device has had, so they never break an
+earlier check.
+
+References:
+    Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020, §4
+    (m-ETF's event-driven list scheduling with serialised transfers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from baechi.devices import DeviceSet
+from baechi.memory import check_memory_model, device_peak_bytes
+from baechi.units import CONTROL_EDGE_BYTES, UnitGraph
+from profiler.profile import atomic_write_json
+
+__all__ = ["Schedule", "ScheduleBuilder", "PlacementError", "simulate"]
+
+
+MIN_DURATION_US = 1e-3
+
+
+class PlacementError(ValueError):
+    """No device can hold a unit (the message says how many bytes do not fit), or a
+    placement breaks a constraint."""
+
+
+@dataclasses.dataclass
+class Schedule:
+    """A simulated step: where and when each unit ran, and every transfer.
+
+    Attributes:
+        device, start_us, finish_us: per unit.
+        order: units in commit order (per device, also execution order).
+        transfer_tensor, transfer_src, transfer_dst, transfer_start_us, transfer_end_us:
+            one entry per (unit tensor, destination device) copy.
+        makespan_us: the step time.
+        peak_bytes: exact per-device peak under ``memory_model``.
+        info: what the placer wants to report (e.g. LP size and solve time).
+    """
+
+    units: UnitGraph
+    devices: DeviceSet
+    memory_model: str
+    device: np.ndarray
+    start_us: np.ndarray
+    finish_us: np.ndarray
+    order: np.ndarray
+    transfer_tensor: np.ndarray
+    transfer_src: np.ndarray
+    transfer_dst: np.ndarray
+    transfer_start_us: np.ndarray
+    transfer_end_us: np.ndarray
+    makespan_us: float
+    peak_bytes: np.ndarray
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def to_chrome_trace(self) -> dict:
+        """The schedule as Chrome trace JSON (open in Perfetto or chrome://tracing): one process
+        per device, thread 0 for compute, one thread per incoming link for transfers."""
+        names = self.devices.names
+        events = [{"ph": "M", "name": "process_name", "pid": d, "args": {"name": n}}
+                  for d, n in enumerate(names)]
+        for u in self.order.tolist():
+            events.append({"ph": "X", "pid": int(self.device[u]), "tid": 0, "cat": "compute",
+                           "name": self.units.unit_name(u), "ts": float(self.start_us[u]),
+                           "dur": float(self.finish_us[u] - self.start_us[u])})
+        for k in range(len(self.transfer_tensor)):
+            t, src = int(self.transfer_tensor[k]), int(self.transfer_src[k])
+            producer = self.units.unit_name(int(self.units.tensor_producer[t]))
+            events.append({"ph": "X", "pid": int(self.transfer_dst[k]), "tid": 1 + src,
+                           "cat": "transfer", "name": f"recv {producer} from {names[src]}",
+                           "ts": float(self.transfer_start_us[k]),
+                           "dur": float(self.transfer_end_us[k] - self.transfer_start_us[k]),
+                           "args": {"bytes": int(self.units.tensor_bytes[t])}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: str) -> None:
+        """Write ``to_chrome_trace()`` to ``path`` atomically."""
+        atomic_write_json(path, self.to_chrome_trace())
+
+
+class ScheduleBuilder:
+    """Mutable list-scheduling state over a unit graph and a device set.
+
+    Parameters:
+        units: the unit graph.
+        devices: devices (memory limits, link costs).
+        memory_model: ``"liveness"`` or ``"static"`` (see ``baechi.memory``).
+        monotone: commit start times never go below the clock (the placers need this for
+            their memory accounting); without it a unit starts as soon as its device and
+            inputs allow, whatever was committed before it on other devices.
+
+    A placer repeatedly picks a ready unit and a device, asks ``shortfall_bytes`` (<= 0: fits)
+    and ``data_ready_us`` (when its inputs would be there), and calls ``commit``, which returns
+    the units that became ready. ``advance`` moves the clock and releases memory freed by then.
+    """
+
+    def __init__(self, units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
+                 monotone: bool = True):
+        check_memory_model(memory_model)
+        self.monotone = monotone
+        self.units, self.devices = units, devices
+        self.liveness = memory_model == "liveness"
+        self.memory_model = memory_model
+        n, d = units.num_units, len(devices)
+        self.num_devices = d
+        adj = units.adjacency_lists()
+        self._inputs, self._outputs = adj["inputs"], adj["outputs"]
+        self._consumers = adj["consumers"]
+        # A unit takes at least 1 ns, so its inputs and outputs coexist in the memory sweep.
+        self._compute = np.maximum(units.compute_us, MIN_DURATION_US).tolist()
+        self._temp = units.temp_bytes.tolist()
+        self._out_bytes = units.output_bytes.tolist()
+        self._group = units.group.tolist()
+        self._t_bytes = units.tensor_bytes.tolist()
+        self._t_comm = np.maximum(units.tensor_bytes, CONTROL_EDGE_BYTES).tolist()
+        self._t_producer = units.tensor_producer.tolist()
+        self._a, self._b = devices.a_us_per_byte, devices.b_us
+        self.limit = devices.memory_bytes.tolist()
+        group_persistent = np.bincount(units.group, weights=units.persistent_bytes,
+                                       minlength=units.num_groups)
+        self.group_persistent = group_persistent.astype(np.int64).tolist()
+        self.group_device = [-1] * units.num_groups
+        self.device = [-1] * n
+        self.start = [0.0] * n
+        self.finish = [0.0] * n
+        self.order: list[int] = []
+        self.device_free = [0.0] * d
+        self.link_free = [[0.0] * d for _ in range(d)]
+        self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
+        self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
+        self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
+        self.remaining = [len(c) for c in self._consumers]
+        self.level = [0] * d                         # bytes resident at the clock
+        self.high_water = [0] * d                    # highest level seen so far
+        self.pending_frees: list[tuple[float, int, int]] = []
+        self.clock = 0.0
+        self.transfers: list[tuple[int, int, int, float, float]] = []
+        indegree = np.zeros(n, dtype=np.int64)
+        np.add.at(indegree, units.edges[1], 1)
+        self.missing_inputs = indegree.tolist()
+        succ = [[] for _ in range(n)]
+        for a, b in units.edges.T.tolist():
+            succ[a].append(b)
+        self._successors = succ
+
+    # -- queries ------------------------------------------------------------------------------
+    def initially_ready(self) -> list[int]:
+        """Units with no predecessor, ascending."""
+        return [u for u, k in enumerate(self.missing_inputs) if k == 0]
+
+    def _incoming(self, u: int, d: int) -> tuple[float, list[tuple[int, int, float, float]]]:
+        """When all of ``u``'s inputs are on device ``d``, and the transfers that needs
+        (tensor, source device, start, end), sent in order of availability."""
+        ready = 0.0
+        needed = []
+        dd = self.num_devices
+        for t in self._inputs[u]:
+            p = self._t_producer[t]
+            src = self.device[p]
+            if src == d:
+                when = self.finish[p]
+            else:
+                when = self.arrival.get(t * dd + d)
+                if when is None:
+                    needed.append((self.finish[p], t, src))
+                    continue
+            if when > ready:
+                ready = when
+        sends = []
+        if needed:
+            needed.sort()
+            link_time: dict[int, float] = {}
+            for available, t, src in needed:
+                begin = max(available, link_time.get(src, self.link_free[src][d]))
+                end = begin + self._a[src][d] * self._t_comm[t] + self._b[src][d]
+                link_time[src] = end
+                sends.append((t, src, begin, end))
+                if end > ready:
+                    ready = end
+        return ready, sends
+
+    def data_ready_us(self, u: int, d: int) -> float:
+        """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue)."""
+        return self._incoming(u, d)[0]
+
+    def shortfall_bytes(self, u: int, d: int) -> int:
+        """Bytes by which unit ``u`` does not fit on device ``d`` now (<= 0: it fits).
+
+        Counts its outputs, temporary bytes, copies of inputs not yet on ``d``, and, for the
+        first unit of a colocation group, the whole group's persistent bytes (checked against
+        the device's highest level so far, since they are held all step).
+        """
+        g = self._group[u]
+        gd = self.group_device[g]
+        if gd != -1 and gd != d:
+            return 1 << 62
+        need = self._out_bytes[u] + self._temp[u]
+        dd = self.num_devices
+        for t in self._inputs[u]:
+            if self.device[self._t_producer[t]] != d and (t * dd + d) not in self.arrival:
+                need += self._t_bytes[t]
+        if gd == -1 and self.group_persistent[g]:
+            return max(self.level[d] + need, self.high_water[d]) + self.group_persistent[g] \
+                - self.limit[d]
+        return self.level[d] + need - self.limit[d]
+
+    def growth_bytes(self, u: int, d: int) -> int:
+        """Net bytes committing ``u`` on ``d`` would add to ``d`` once it ends: what it
+        allocates minus the local inputs it is the last reader of (a rough, liveness-only
+        measure the placers use to prefer units that release memory)."""
+        grow = self._out_bytes[u]
+        dd = self.num_devices
+        for t in self._inputs[u]:
+            here = self.device[self._t_producer[t]] == d or (t * dd + d) in self.arrival
+            if not here:
+                grow += self._t_bytes[t]
+            elif self.remaining[t] == 1 and self.liveness:
+                grow -= self._t_bytes[t]
+        return grow
+
+    def next_free_us(self) -> float | None:
+        """Time of the next pending memory release, if any."""
+        return self.pending_frees[0][0] if self.pending_frees else None
+
+    # -- updates ------------------------------------------------------------------------------
+    def advance(self, time_us: float) -> bool:
+        """Move the clock to ``time_us`` (never back) and release memory freed by then.
+        Returns whether anything was released."""
+        if time_us > self.clock:
+            self.clock = time_us
+        released = False
+        frees = self.pending_frees
+        while frees and frees[0][0] <= self.clock:
+            _, d, nbytes = heapq.heappop(frees)
+            self.level[d] -= nbytes
+            released = True
+        return released
+
+    def _charge(self, d: int, nbytes: int) -> None:
+        self.level[d] += nbytes
+        if self.level[d] > self.high_water[d]:
+            self.high_water[d] = self.level[d]
+
+    def _release_later(self, time_us: float, d: int, nbytes: int) -> None:
+        if self.liveness and nbytes:
+            heapq.heappush(self.pending_frees, (time_us, d, nbytes))
+
+    def commit(self, u: int, d: int) -> list[int]:
+        """Run unit ``u`` on device ``d`` as early as possible at or after the clock; returns
+        the units that became ready."""
+        dd = self.num_devices
+        ready, sends = self._incoming(u, d)
+        begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0)
+        end = begin + self._compute[u]
+        if begin > self.clock:
+            self.clock = begin
+        g = self._group[u]
+        if self.group_device[g] == -1:
+            self.group_device[g] = d
+            self.level[d] += self.group_persistent[g]
+            self.high_water[d] += self.group_persistent[g]
+        for t, src, t_begin, t_end in sends:
+            self.link_free[src][d] = t_end
+            self.arrival[t * dd + d] = t_end
+            self.transfers.append((t, src, d, t_begin, t_end))
+            self.holders[t].append(d)
+            key = t * dd + src
+            if self.last_use.get(key, 0.0) < t_end:
+                self.last_use[key] = t_end
+            self._charge(d, self._t_bytes[t])
+        self._charge(d, self._out_bytes[u] + self._temp[u])
+        self._release_later(end, d, self._temp[u])
+        for t in self._inputs[u]:
+            key = t * dd + d
+            if self.last_use.get(key, 0.0) < end:
+                self.last_use[key] = end
+            self.remaining[t] -= 1
+            if self.remaining[t] == 0:
+                for h in self.holders[t]:
+                    self._release_later(self.last_use[t * dd + h], h, self._t_bytes[t])
+        for t in self._outputs[u]:
+            self.holders[t].append(d)
+            if self.remaining[t] == 0:  # a graph output: freed when its producer ends
+                self._release_later(end, d, self._t_bytes[t])
+        self.device[u], self.start[u], self.finish[u] = d, begin, end
+        self.device_free[d] = end
+        self.order.append(u)
+        ready_units = []
+        for v in self._successors[u]:
+            self.missing_inputs[v] -= 1
+            if self.missing_inputs[v] == 0:
+                ready_units.append(v)
+        return ready_units
+
+    def finish_schedule(self, info: dict | None = None) -> Schedule:
+        """The committed schedule, with exact per-device peaks.
+
+        Raises:
+            PlacementError: if some unit was never committed.
+        """
+        if len(self.order) != self.units.num_units:
+            missing = next(u for u in range(self.units.num_units) if self.device[u] == -1)
+            raise PlacementError(f"unit {self.units.unit_name(missing)!r} was never scheduled")
+        tr = np.array(self.transfers, dtype=np.float64).reshape(-1, 5)
+        sched = Schedule(
+            units=self.units, devices=self.devices, memory_model=self.memory_model,
+            device=np.array(self.device, dtype=np.int64),
+            start_us=np.array(self.start), finish_us=np.array(self.finish),
+            order=np.array(self.order, dtype=np.int64),
+            transfer_tensor=tr[:, 0].astype(np.int64), transfer_src=tr[:, 1].astype(np.int64),
+            transfer_dst=tr[:, 2].astype(np.int64), transfer_start_us=tr[:, 3],
+            transfer_end_us=tr[:, 4], makespan_us=max(self.finish, default=0.0),
+            peak_bytes=np.zeros(self.num_devices, dtype=np.int64), info=dict(info or {}))
+        sched.peak_bytes = device_peak_bytes(sched)
+        return sched
+
+
+def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int],
+             order: Sequence[int] | None = None, memory_model: str = "liveness",
+             in_order: bool = True) -> Schedule:
+    """Simulate one step of a placed unit graph.
+
+    Units start in ``order`` (default: topological), each as soon as its device is free and its
+    inputs have arrived; transfers are serialised per link direction. With ``in_order`` (the
+    default, what the placers do) no unit starts before an earlier unit of ``order``, so a
+    placer's commit order replays its schedule exactly; without it each device runs its units
+    as early as possible (memory peaks can then differ from the placer's).
+
+    Parameters:
+        units: the unit graph (``UnitGraph.singletons`` for plain op graphs).
+        devices: device set (link costs; memory limits are not enforced here).
+        device_of_unit: device index per unit.
+        order: a topological order of all units (e.g. a placer's commit order).
+        memory_model: how ``peak_bytes`` is computed (``"liveness"`` or ``"static"``).
+        in_order: keep start times in ``order`` (see above).
+
+    Returns:
+        The ``Schedule``: makespan, per-device peak bytes, per-unit times, transfers.
+
+    Raises:
+        PlacementError: if ``order`` is not a topological order of every unit, or a device
+            index is out of range.
+
+    Examples:
+        >>> from profiler.cost_graph import CostGraph, OpSpec
+        >>> from baechi.devices import DeviceSet
+        >>> g = CostGraph.from_ops([OpSpec("a", "X", output_bytes=[1000], compute_us=10),
+        ...                         OpSpec("b", "Y", inputs=[("a", 0)], compute_us=5)])
+        >>> devs = DeviceSet.uniform(["/GPU:0", "/GPU:1"], "1MiB", "0.01,2")
+        >>> simulate(UnitGraph.singletons(g, [0, 1]), devs, [0, 1]).makespan_us  # 10 + 12 + 5
+        27.0
+    """
+    device_of_unit = np.asarray(device_of_unit, dtype=np.int64)
+    if len(device_of_unit) != units.num_units or (device_of_unit < 0).any() or (
+            device_of_unit >= len(devices)).any():
+        raise PlacementError(f"need a device index in [0, {len(devices)}) for each of the "
+                             f"{units.num_units} units")
+    builder = ScheduleBuilder(units, devices, memory_model, monotone=in_order)
+    seq = units.topological_order if order is None else np.asarray(order)
+    for u in seq.tolist():
+        if builder.missing_inputs[u] != 0 or builder.device[u] != -1:
+            raise PlacementError(f"order is not topological at unit {units.unit_name(u)!r}")
+        builder.commit(u, int(device_of_unit[u]))
+    return builder.finish_schedule()
+

@@ -1,0 +1,161 @@
+"""Measure a rematerialized step for real and hold it against its plan.
+
+A plan predicts a peak (``RematPlan.peak_bytes``, the shared replay accounting on a cost graph
+calibrated by ``remat.tf_memory``) and a compute overhead. This module runs the original and
+the rewritten training step under the project's one session configuration and reports:
+
+- the peak from the allocator's records of a traced step (``profiler.trace.profile_graph``)
+  and the allocator's own high-water mark (``tf.config.experimental.get_memory_info``), for
+  both graphs;
+- the measured overhead: the median, over rounds, of the rewritten step's time over the
+  original's, the two run alternately in two open sessions so that both see the same load
+  (this machine is shared and noisy);
+- whether one step from identical initial variables gives the same loss and gradients
+  (``np.allclose``): a rewrite must change when things are computed, never what.
+
+Peaks are of the training step as ``tools.train`` runs it: the update and the loss are fetched,
+the gradients are not (``remat.tf_memory.step_item``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from models.graph_item import GraphItem
+from profiler.profile import Profile
+from profiler.session import make_session
+from profiler.trace import profile_graph
+from remat.plan import RematPlan
+from remat.tf_memory import step_item
+
+__all__ = ["StepMeasurement", "measure_step", "compare_outputs", "paired_overhead",
+           "measure_rewrite"]
+
+
+@dataclasses.dataclass
+class StepMeasurement:
+    """What one training step cost on this machine.
+
+    Attributes:
+        peak_bytes: peak replayed from the allocator's records of a traced step (resident
+            variables and feeds included).
+        allocator_peak_bytes: ``get_memory_info('CPU:0')['peak']`` over the measured run.
+        step_time_us: median time of the untraced steps.
+        profile: the full profile (per-op costs) of the step.
+    """
+
+    peak_bytes: int
+    allocator_peak_bytes: int
+    step_time_us: float
+    profile: Profile
+
+
+def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1,
+                 num_cpu_devices: int = 1) -> StepMeasurement:
+    """Profile ``item``'s training step (update and loss) and read the allocator's peak.
+
+    ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
+    are timed.
+    """
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    profile = profile_graph(step_item(item), steps=steps, warmup=warmup, trace_every=steps,
+                            num_cpu_devices=num_cpu_devices, progress=None)
+    allocator_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    times = profile.step_time_us or [float("nan")]
+    return StepMeasurement(peak_bytes=profile.peak_bytes, allocator_peak_bytes=int(allocator_peak),
+                           step_time_us=statistics.median(times), profile=profile)
+
+
+def _first_step_outputs(item: GraphItem) -> list[np.ndarray]:
+    with make_session(item.graph) as session:
+        session.run(item.init_op)
+        return session.run([item.loss, *item.gradients], item.feed_dict())
+
+
+def compare_outputs(original: GraphItem, rewritten: GraphItem, rtol: float = 1e-5,
+                    atol: float = 1e-6) -> dict[str, Any]:
+    """Loss and gradients of one step from the same initial variables, on both graphs.
+
+    Initialisers and random ops carry their seeds in their attributes, which the rewrite
+    copies, so both graphs start from identical variables and draw identical numbers.
+
+    Returns:
+        ``{"loss_match", "gradients_match", "max_abs_diff", "loss"}``.
+    """
+    expected, actual = _first_step_outputs(original), _first_step_outputs(rewritten)
+    close = [np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(expected, actual)]
+    diff = max((float(np.max(np.abs(a - b))) if np.size(a) else 0.0)
+               for a, b in zip(expected, actual))
+    return {"loss_match": bool(close[0]), "gradients_match": bool(all(close[1:])),
+            "max_abs_diff": diff, "loss": float(expected[0])}
+
+
+def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
+                    warmup: int = 1) -> float:
+    """Median over ``rounds`` of (rewritten step time / original step time), the two steps of
+    a round run back to back in two open sessions."""
+    fetches = [[item.train_op, item.loss] for item in (original, rewritten)]
+    with make_session(original.graph) as first, make_session(rewritten.graph) as second:
+        sessions = (first, second)
+        feeds = [item.feed_dict() for item in (original, rewritten)]
+        for session, item, feed, fetch in zip(sessions, (original, rewritten), feeds, fetches):
+            session.run(item.init_op)
+            for _ in range(warmup):
+                session.run(fetch, feed)
+        ratios = []
+        for _ in range(rounds):
+            times = []
+            for session, feed, fetch in zip(sessions, feeds, fetches):
+                begin = time.perf_counter()
+                session.run(fetch, feed)
+                times.append(time.perf_counter() - begin)
+            ratios.append(times[1] / times[0])
+    return statistics.median(ratios)
+
+
+def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
+                    baseline: StepMeasurement | None = None, steps: int = 4,
+                    warmup: int = 1) -> dict[str, Any]:
+    """Measure ``rewritten`` against ``original`` and against ``plan``'s predictions.
+
+    Parameters:
+        original: the step before rematerialization.
+        rewritten: ``remat.rewrite.rewrite(original, cost_graph, plan)``.
+        plan: the plan (its ``peak_bytes`` and ``overhead`` are the predictions).
+        baseline: a measurement of ``original`` to reuse; ``None`` measures it.
+        steps, warmup: as in ``measure_step``.
+
+    Returns:
+        A JSON-ready report: budget, planned / measured (records and allocator) peaks of both
+        graphs, ``peak_ratio`` (measured / baseline, records), ``prediction_error`` (measured /
+        planned - 1), planned and measured (``paired_overhead``) overhead, step times of the
+        separate measurements, loss / gradient match.
+    """
+    baseline = baseline or measure_step(original, steps, warmup)
+    measured = measure_step(rewritten, steps, warmup)
+    return {
+        "method": plan.method,
+        "budget_bytes": int(plan.budget_bytes),
+        "planned_peak_bytes": int(plan.peak_bytes),
+        "baseline_peak_bytes": baseline.peak_bytes,
+        "baseline_allocator_peak_bytes": baseline.allocator_peak_bytes,
+        "measured_peak_bytes": measured.peak_bytes,
+        "measured_allocator_peak_bytes": measured.allocator_peak_bytes,
+        "peak_ratio": measured.peak_bytes / baseline.peak_bytes,
+        # oneDNN's small-size allocator is invisible to TF's stats: tiny graphs read 0.
+        "allocator_peak_ratio": (measured.allocator_peak_bytes / baseline.allocator_peak_bytes
+                                 if baseline.allocator_peak_bytes else None),
+        "prediction_error": measured.peak_bytes / plan.peak_bytes - 1.0,
+        "planned_overhead": plan.overhead,
+        "measured_overhead": paired_overhead(original, rewritten, max(steps, 3), warmup),
+        "baseline_step_time_us": baseline.step_time_us,
+        "step_time_us": measured.step_time_us,
+        "num_recomputes": plan.num_recomputes,
+        **compare_outputs(original, rewritten),
+    }

@@ -1,0 +1,190 @@
+"""The rematerialization pass as one call: cost graph -> plan under a budget -> rewritten step.
+
+``rematerialize`` chains the pieces of ``remat``: a cost graph calibrated to what TF's executor
+allocates, with forwarding chains as planning nodes (``remat.tf_memory``), a planner (a DTR heuristic of ``remat.simulator``, or a
+baseline: ``checkpoint_all``, ``chen_sqrt_n``, ``chen_greedy``, ``checkmate``), and the graph
+rewrite (``remat.rewrite``). ``plan_for_budget`` is the planning step alone, for sweeps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.graph_item import GraphItem
+from profiler.cost_graph import CostGraph
+from profiler.profile import Profile
+from remat.plan import RematPlan
+
+__all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "plan_for_budget", "rematerialize",
+           "resident_outputs", "parse_bytes"]
+
+BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
+
+
+def _simulated_planners() -> tuple[str, ...]:
+    from remat.simulator import PLANNERS as simulated
+    return tuple(simulated)
+
+
+PLANNERS = _simulated_planners() + BASELINE_PLANNERS
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+class BudgetError(ValueError):
+    """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
+    meet (or a lower bound of it), ``budget_bytes`` the one asked for."""
+
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int):
+        super().__init__(message)
+        self.budget_bytes, self.minimum_bytes = int(budget_bytes), int(minimum_bytes)
+
+
+def parse_bytes(text: str) -> int:
+    """``"1.5GiB"`` -> 1610612736; plain numbers are bytes; units B, KB/MB/GB, KiB/MiB/GiB.
+
+    Raises:
+        ValueError: not a number with an optional unit.
+    """
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].lower()
+    if unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: use bytes or a unit of {sorted(_UNITS)}")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: use e.g. 300MiB or 1.5GiB") from None
+
+
+def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int]:
+    """Tensors the simulator must keep until the step ends: the loss, and every 0-byte output of
+    an op that may not be recomputed (variable reads: aliases of the variable's buffer).
+
+    Keeping a free alias costs nothing, while letting it die would forbid recomputing every op
+    that reads it (DTR's banishing) although TF could read it again at no cost.
+    """
+    from remat.simulator import recomputable_ops
+
+    pinned = ~recomputable_ops(cost_graph)[cost_graph.tensor_producer]
+    outputs = np.flatnonzero(pinned & (cost_graph.tensor_bytes == 0)).tolist()
+    if loss is not None and loss.split(":")[0] in cost_graph.index:
+        outputs.append(int(cost_graph.output_offset[cost_graph.index[loss.split(":")[0]]]))
+    return sorted(set(outputs))
+
+
+def plan_for_budget(cost_graph: CostGraph, budget_bytes: int | None, heuristic: str = "dtr",
+                    overhead_limit: float = 2.0, loss: str | None = None) -> RematPlan:
+    """A plan of ``cost_graph`` under ``budget_bytes`` by planner ``heuristic``.
+
+    Parameters:
+        cost_graph: the step (ideally ``remat.tf_memory.tf_memory_cost_graph``).
+        budget_bytes: memory budget including resident bytes; ``None``: no limit.
+        heuristic: a name of ``PLANNERS``.
+        overhead_limit: DTR heuristics fail as thrashing beyond this compute multiple.
+        loss: the loss tensor name, kept resident to the end.
+
+    Returns:
+        The plan. A DTR plan's frees are re-derived from its (re)compute order: each tensor
+        version is freed right after its last reader, as TF's executor does, so ``peak_bytes``
+        is what TF will show (DTR's own, lazily evicting peak is ``stats
+        ["simulated_peak_bytes"]``, an upper bound).
+
+    Raises:
+        BudgetError: the budget is below what the planner can reach (names the minimum).
+        ValueError: unknown planner.
+    """
+    from remat import baselines, checkmate, simulator, validate
+    from remat.plan import FREE
+    from remat.schedule import plan_from_schedule
+
+    if heuristic not in PLANNERS:
+        raise ValueError(f"unknown planner {heuristic!r}; valid: {', '.join(PLANNERS)}")
+    try:
+        if heuristic == "checkpoint_all":
+            return baselines.checkpoint_all(cost_graph)
+        if heuristic == "chen_sqrt_n":
+            return baselines.chen_sqrt_n(cost_graph, loss)
+        if heuristic == "chen_greedy":
+            return baselines.chen_greedy(cost_graph, budget_bytes, loss)
+        if heuristic == "checkmate":
+            return checkmate.checkmate_milp(cost_graph, budget_bytes)
+        simulated = simulator.simulate(cost_graph, budget_bytes, heuristic,
+                                       outputs=resident_outputs(cost_graph, loss),
+                                       overhead_limit=overhead_limit)
+    except (simulator.OutOfMemoryError, validate.InfeasibleBudgetError) as error:
+        minimum = f"{error.minimum_bytes:,} bytes ({error.minimum_bytes / 2**20:.1f} MiB)"
+        summary = (f"the minimum is {minimum}" if budget_bytes < error.minimum_bytes else
+                   f"{heuristic} ran out of evictable memory although the lower bound is "
+                   f"{minimum}; raise the budget or try another heuristic")
+        raise BudgetError(f"{heuristic}: no plan fits a budget of {budget_bytes:,} bytes; "
+                          f"{summary}. {error}", budget_bytes, error.minimum_bytes) from error
+    except simulator.ThrashError as error:
+        raise BudgetError(
+            f"{heuristic}: a budget of {budget_bytes:,} bytes needs more than "
+            f"{error.limit}x the step's compute (thrashing); raise the budget or "
+            f"--remat_overhead_limit. {error}", budget_bytes, budget_bytes) from error
+    # DTR evicts lazily, when the budget is hit; TF frees a tensor as soon as its last reader
+    # (of that version) finished. Re-deriving the frees from the simulated schedule gives the
+    # peak TF will show, and re-checks the plan.
+    schedule = [index for kind, index in simulated.events if kind != FREE]
+    plan = plan_from_schedule(cost_graph, schedule, budget_bytes, simulated.method,
+                              {**simulated.stats, "simulated_peak_bytes": simulated.peak_bytes})
+    return plan
+
+
+def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph | MemoryModel",
+                  budget_bytes: int | None = None, budget_ratio: float | None = None,
+                  heuristic: str = "dtr", overhead_limit: float = 2.0
+                  ) -> tuple[GraphItem, RematPlan]:
+    """Rewrite ``item`` so that its step fits a memory budget, recomputing what it must.
+
+    Parameters:
+        item: the training step.
+        profile_or_cost_graph: a ``Profile`` of the step ``remat.tf_memory.step_item(item)``
+            (a ``remat.tf_memory.MemoryModel`` is made from it with one more traced step), a
+            ready ``MemoryModel`` of ``item``, or a plain ``CostGraph`` of ``item`` (planned
+            op by op, without TF's calibration).
+        budget_bytes: the budget, resident variables and feeds included.
+        budget_ratio: alternatively, a fraction of the baseline peak: the profile's measured
+            peak, or the checkpoint-all peak of the given model or cost graph.
+        heuristic: a planner of ``PLANNERS`` (default DTR's h_DTR).
+        overhead_limit: compute multiple beyond which DTR heuristics give up (thrash).
+
+    Returns:
+        ``(rewritten item, plan)``; the plan's ``peak_bytes`` (``remat.tf_memory.
+        tf_peak_bytes``: the shared replay plus TF's buffer reuse by last readers; the
+        replay's own peak is ``stats["replay_peak_bytes"]``) and ``overhead`` are the
+        predictions ``remat.measure.measure_rewrite`` checks.
+
+    Raises:
+        ValueError: both or neither of ``budget_bytes`` / ``budget_ratio``.
+        BudgetError: no plan fits (the message names the minimum budget).
+        remat.rewrite.RematRewriteError: the plan cannot be lowered.
+
+    References:
+        Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021.
+    """
+    from remat import baselines
+    from remat.rewrite import rewrite
+    from remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
+
+    if (budget_bytes is None) == (budget_ratio is None):
+        raise ValueError("give exactly one of budget_bytes and budget_ratio")
+    if isinstance(profile_or_cost_graph, Profile):
+        model = tf_memory_model(item, profile_or_cost_graph)
+        baseline_bytes = profile_or_cost_graph.peak_bytes
+    else:
+        model = (profile_or_cost_graph if isinstance(profile_or_cost_graph, MemoryModel) else
+                 MemoryModel(profile_or_cost_graph, profile_or_cost_graph,
+                             [[i] for i in range(profile_or_cost_graph.num_ops)]))
+        baseline_bytes = baselines.checkpoint_all(model.plan_graph).peak_bytes
+    if budget_bytes is None:
+        budget_bytes = int(budget_ratio * baseline_bytes)
+    planned = plan_for_budget(model.plan_graph, budget_bytes, heuristic, overhead_limit,
+                              item.loss)
+    planned.stats["replay_peak_bytes"] = planned.peak_bytes
+    planned.peak_bytes = tf_peak_bytes(model, planned)
+    plan = expand_plan(model, planned)
+    plan.stats["baseline_peak_bytes"] = int(baseline_bytes)
+    return rewrite(item, model.cost_graph, plan), plan

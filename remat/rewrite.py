@@ -1,0 +1,237 @@
+"""Lower a rematerialization plan into a TensorFlow graph: clones, rewired reads, control edges.
+
+The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner worked on and its
+``RematPlan``, and returns a NEW step whose executor really runs the plan (DESIGN.md §4):
+
+- **SSA clones.** The k-th ``recompute`` of op ``n`` becomes a copy of its NodeDef named
+  ``n/remat_k``. The original keeps its name, so every fetched and fed name (train op, loss,
+  gradients, placeholders, initialiser) still resolves.
+- **Rewiring.** Walking the plan in order, each computed or recomputed op reads the newest
+  version of each input that exists at its position in the plan. An original tensor whose
+  later readers all moved to a clone dies after its last remaining reader, which is where the
+  memory is saved.
+- **Control edges.** TF's executor starts a node as soon as its inputs are ready, so a clone
+  with only data inputs would run during the forward pass and save nothing. A control edge from
+  the node of the previous plan event pins a node to its place in the plan. Anchoring only the
+  clones (``pin_order="clones"``, one edge per clone; DESIGN.md's hand experiment anchored each
+  segment's clones on the ReluGrad of its checkpoint layer) is not enough in general: the anchor
+  may itself be an op TF runs early (a shape, a variable update), and the executor's two
+  inter-op threads then run a clone next to the forward ops of another segment (measured on
+  the 16-layer MLP: a clone of layer 3 running beside layer 15's, +20 MiB over the plan). The
+  default ``pin_order="tail"`` chains every node from the first recomputation on in plan
+  order (one edge per node, skipped where a data edge already orders the pair): the backward
+  pass then runs exactly in the plan's order, as the memory prediction assumes, while each
+  kernel keeps its intra-op threads. The forward pass before it keeps TF's own order, which
+  the calibrated cost graph (``remat.tf_memory``) follows.
+- **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
+  repeated after the optimizer wrote the variable would see the new value) and placeholders
+  are never cloned: a plan that asks for it raises ``RematRewriteError``.
+
+Grappler: rewritten graphs must run under ``profiler.session.session_config`` (meta optimizer
+off, classic optimizer at L0 without CSE or constant folding). The passes that would undo the
+rewrite are Grappler's arithmetic optimizer and the classic common-subexpression elimination
+(a clone has the same op, attributes and inputs as its original, so they are merged back into
+one node, which then lives from the forward to the backward pass), Grappler's dependency
+optimizer (it prunes control edges it deems redundant, i.e. exactly the edges that hold clones
+back) and constant folding / the remapper (they rename and fuse nodes, so plan and graph stop
+matching). The baseline is measured under the same configuration.
+
+Pre- and postconditions are checked: the cost graph describes this graph, the rewritten step is
+acyclic, every pinned node (every clone at least) keeps its edge from the node of the plan event
+before it, and every input names a node of the graph.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+
+from models.graph_item import GraphItem
+from profiler.cost_graph import CostGraph
+from remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from remat.validate import recomputable_ops
+
+__all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name", "check_recomputable"]
+
+
+class RematRewriteError(ValueError):
+    """A plan cannot be lowered into the graph (unsafe clone, mismatched graph, cycle)."""
+
+
+def clone_name(op_name: str, version: int) -> str:
+    """Name of the ``version``-th recomputation (1-based) of op ``op_name``."""
+    return f"{op_name}/remat_{version}"
+
+
+def check_recomputable(cost_graph: CostGraph, op: int) -> None:
+    """Raise ``RematRewriteError`` unless running op ``op`` a second time is safe.
+
+    Recomputing is safe for pure functions of their inputs only (``remat.validate.
+    recomputable_ops``): stateful ops (variable reads and updates, queues), random ops (a new
+    draw would differ from the first), variables and placeholders keep their single execution,
+    and their outputs stay resident.
+    """
+    if recomputable_ops(cost_graph)[op]:
+        return
+    flags = [name for name in ("is_stateful", "is_random", "is_variable", "reads_resource")
+             if getattr(cost_graph, name)[op]] or ["a placeholder"]
+    raise RematRewriteError(
+        f"the plan recomputes op {cost_graph.names[op]!r} ({cost_graph.op_types[op]}; "
+        f"{', '.join(flags)}): recomputing it would not reproduce its outputs; the planner "
+        "must keep its outputs resident (never evict them)")
+
+
+def _split_input(name: str) -> tuple[str, str]:
+    """``'^a'`` -> ``('a', '^')``, ``'a:1'`` -> ``('a', ':1')``, ``'a'`` -> ``('a', '')``."""
+    if name.startswith("^"):
+        return name[1:], "^"
+    producer, sep, port = name.rpartition(":")
+    if sep and port.isdigit():
+        return producer, ":" + port
+    return name, ""
+
+
+def _check_plan_matches(graph_def: tf.compat.v1.GraphDef, cost_graph: CostGraph,
+                        plan: RematPlan) -> None:
+    names = {node.name for node in graph_def.node}
+    missing = [n for n in cost_graph.names if n not in names]
+    if missing:
+        raise RematRewriteError(
+            f"the cost graph names {len(missing)} ops the graph lacks (e.g. {missing[0]!r}): "
+            "it was built for another graph; build it from this item")
+    computed = [e.index for e in plan.events if e.kind == COMPUTE]
+    if sorted(computed) != list(range(cost_graph.num_ops)):
+        raise RematRewriteError(
+            f"the plan computes {len(computed)} ops ({len(set(computed))} distinct) but the cost "
+            f"graph has {cost_graph.num_ops}: every op must be computed exactly once")
+    for event in plan.events:
+        if event.kind not in (COMPUTE, RECOMPUTE, FREE):
+            raise RematRewriteError(f"unknown plan event kind {event.kind!r}")
+
+
+def _check_acyclic(graph_def: tf.compat.v1.GraphDef) -> None:
+    """Kahn's algorithm over data and control edges; raise naming a node on a cycle."""
+    successors = collections.defaultdict(list)
+    indegree = {node.name: 0 for node in graph_def.node}
+    for node in graph_def.node:
+        for name in node.input:
+            producer, _ = _split_input(name)
+            if producer not in indegree:
+                raise RematRewriteError(
+                    f"node {node.name!r} reads {name!r}, which names no node of the rewritten "
+                    "graph")
+            successors[producer].append(node.name)
+            indegree[node.name] += 1
+    ready = [name for name, d in indegree.items() if d == 0]
+    seen = 0
+    while ready:
+        name = ready.pop()
+        seen += 1
+        for succ in successors[name]:
+            indegree[succ] -= 1
+            if indegree[succ] == 0:
+                ready.append(succ)
+    if seen < len(indegree):
+        stuck = next(name for name, d in indegree.items() if d > 0)
+        raise RematRewriteError(
+            f"the rewritten graph has a cycle through {stuck!r}: the plan's order contradicts "
+            "the graph's dependencies")
+
+
+PIN_ORDERS = ("tail", "clones")
+
+
+def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
+            pin_order: str = "tail") -> GraphItem:
+    """A new training step that executes ``plan`` (the original ``item`` is left untouched).
+
+    Parameters:
+        item: the training step the cost graph was built from.
+        cost_graph: the planner's IR of ``item``'s step (op ids of ``plan`` index it).
+        plan: compute / recompute / free events; free events need no graph change (TF frees a
+            tensor when its last reader finished, and rewiring moved the later readers away).
+        pin_order: ``"tail"``: every node from the first recomputation on gets a control edge
+            from the previous plan event's node; ``"clones"``: only clones do.
+
+    Returns:
+        A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
+        ``config["remat"]`` records the number of clones and control edges added.
+
+    Raises:
+        RematRewriteError: the plan recomputes an unsafe op (stateful, random, variable,
+            resource read, placeholder), does not match the cost graph or this graph, or
+            would create a cycle or a name clash.
+
+    References:
+        Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021 (the plans);
+        DESIGN.md §4 (lowering into TF's executor).
+    """
+    if pin_order not in PIN_ORDERS:
+        raise ValueError(f"pin_order {pin_order!r} is not one of {PIN_ORDERS}")
+    graph_def = item.graph.as_graph_def()
+    _check_plan_matches(graph_def, cost_graph, plan)
+    nodes = {node.name: node for node in graph_def.node}
+    version: dict[str, str] = {}        # op name -> node holding its newest version
+    clone_count: collections.Counter[str] = collections.Counter()
+    clones = []
+    safe = recomputable_ops(cost_graph)
+    previous = None                      # node of the plan's previous compute / recompute
+    control_edges = 0
+    anchors: dict[str, str] = {}         # pinned node -> the node it must run after
+
+    def rewire(node) -> None:
+        for k, name in enumerate(node.input):
+            producer, suffix = _split_input(name)
+            if suffix != "^" and version.get(producer, producer) != producer:
+                node.input[k] = version[producer] + suffix
+
+    for event in plan.events:
+        if event.kind == FREE:
+            continue
+        op_name = cost_graph.names[event.index]
+        if event.kind == COMPUTE:
+            node = nodes[op_name]
+            rewire(node)
+            version[op_name] = op_name
+        else:
+            if not safe[event.index]:
+                check_recomputable(cost_graph, event.index)
+            if op_name not in version:
+                raise RematRewriteError(
+                    f"the plan recomputes {op_name!r} before computing it")
+            clone_count[op_name] += 1
+            node = tf.compat.v1.NodeDef()
+            node.CopyFrom(nodes[op_name])
+            node.name = clone_name(op_name, clone_count[op_name])
+            if node.name in nodes:
+                raise RematRewriteError(
+                    f"cannot name the clone {node.name!r}: the graph already has that node")
+            rewire(node)
+            if previous is None:
+                raise RematRewriteError(f"the plan starts with a recompute of {op_name!r}")
+            nodes[node.name] = node
+            clones.append(node)
+            version[op_name] = node.name
+        if event.kind == RECOMPUTE or (pin_order == "tail" and clones):
+            anchors[node.name] = previous
+            if not any(_split_input(name)[0] == previous for name in node.input):
+                node.input.append("^" + previous)
+                control_edges += 1
+        previous = version[op_name]
+
+    graph_def.node.extend(clones)
+    _check_acyclic(graph_def)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    for name, anchor in anchors.items():
+        op = graph.get_operation_by_name(name)
+        if anchor not in {c.name for c in op.control_inputs} | {t.op.name for t in op.inputs}:
+            raise RematRewriteError(f"{name!r} lost its edge from {anchor!r}, which holds it "
+                                    "at its place in the plan")
+    rewritten = item.with_graph(graph)
+    rewritten.config = {**item.config,
+                        "remat": {"clones": len(clones), "control_edges": control_edges,
+                                  "method": plan.method}}
+    return rewritten

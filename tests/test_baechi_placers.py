@@ -1,0 +1,117 @@
+"""m-TOPO, m-ETF and m-SCT through ``baechi.place``: memory limits and colocation hold down to
+the tightest limit each placer reaches (found by bisection), and impossible instances fail with
+the missing bytes."""
+
+import re
+
+import numpy as np
+import pytest
+
+from baechi.devices import DeviceSet
+from baechi.grouping import coplacement_groups, tf_colocation_groups
+from baechi.place import Placement, PlacementError, makespan_lower_bound_us, place
+from baechi.schedule import simulate
+from baechi.units import UnitGraph
+from profiler import synthetic
+from profiler.cost_graph import CostGraph, OpSpec
+
+NAMES = [f"/device:CPU:{i}" for i in range(4)]
+BASE = DeviceSet.uniform(NAMES, "64GiB", "0.0001754,134")
+CONFIGS = [("default", "tf"), ("colocation", "coplace"), ("fusion", "coplace")]
+GRAPHS = {"training_like": synthetic.training_like(300, seed=2),
+          "random_dag": synthetic.random_dag(300, seed=2)}
+
+
+def _sequential_peak(graph: CostGraph) -> int:
+    units = UnitGraph.singletons(graph, np.zeros(graph.num_ops, dtype=np.int64))
+    return int(simulate(units, BASE, np.zeros(graph.num_ops, dtype=np.int64)).peak_bytes[0])
+
+
+def _check(p: Placement, graph: CostGraph, limit: int, grouper: str) -> None:
+    device = p.device_index
+    assert len(p.op_devices()) == graph.num_ops and set(p.op_devices().values()) <= set(NAMES)
+    # an independent simulation of the placed ops agrees and fits
+    again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), BASE, device,
+                     p.schedule.order)
+    assert (again.peak_bytes <= limit).all()
+    assert (p.peak_bytes <= limit).all()
+    groups = tf_colocation_groups(graph) if grouper == "tf" else coplacement_groups(graph)
+    for g in np.unique(groups):
+        assert len(set(device[groups == g].tolist())) == 1
+    assert p.makespan_us >= makespan_lower_bound_us(graph, len(NAMES)) - 1e-6
+
+
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+@pytest.mark.parametrize("method", ["m_topo", "m_etf", "m_sct"])
+@pytest.mark.parametrize("placer_type, grouper", CONFIGS)
+def test_memory_and_colocation_down_to_the_tightest_limit(graph_name, method, placer_type,
+                                                          grouper):
+    graph = GRAPHS[graph_name]
+    seq = _sequential_peak(graph)
+
+    def attempt(limit):
+        return place(graph, BASE.with_memory(int(limit)), method=method,
+                     placer_type=placer_type, grouper=grouper)
+
+    hi, lo = 2 * seq, 0
+    _check(attempt(hi), graph, hi, grouper)
+    for _ in range(8):
+        mid = (lo + hi) // 2
+        try:
+            attempt(mid)
+            hi = mid
+        except PlacementError as e:
+            assert re.search(r"\d+ bytes", str(e)), str(e)
+            lo = mid
+    _check(attempt(hi), graph, hi, grouper)
+    # four devices hold the step with less than one sequential peak each
+    assert hi <= seq
+    with pytest.raises(PlacementError, match=r"\d+ bytes"):
+        attempt(lo)
+
+
+def test_static_memory_model_is_safe_and_looser():
+    graph = GRAPHS["training_like"]
+    seq = _sequential_peak(graph)
+    p = place(graph, BASE.with_memory(seq), method="m_etf", memory_model="static")
+    assert (p.peak_bytes <= seq).all()
+    live = place(graph, BASE.with_memory(seq), method="m_etf")
+    assert (live.schedule.peak_bytes <= p.peak_bytes.max()).all()
+
+
+def test_variables_that_cannot_fit_name_the_missing_bytes():
+    graph = CostGraph.from_ops([
+        OpSpec(f"w{i}", "VarHandleOp", output_bytes=[8], persistent_bytes=1000,
+               is_variable=True) for i in range(5)])
+    with pytest.raises(PlacementError, match="5000 bytes.*4000 in total: 1000 bytes do not fit"):
+        place(graph, BASE.with_memory(1000))
+    one = CostGraph.from_ops([OpSpec("w", "VarHandleOp", output_bytes=[8],
+                                     persistent_bytes=1000, is_variable=True)])
+    with pytest.raises(PlacementError, match="1008 bytes.*holds 1000: 8 bytes do not fit"):
+        place(one, BASE.with_memory(1000))
+
+
+@pytest.mark.parametrize("method", ["m_topo", "m_etf", "m_sct"])
+def test_tight_memory_with_coplacement_fails_cleanly(method):
+    # far below any feasible limit: an error with a byte count, never a hang or a crash
+    graph = GRAPHS["random_dag"]
+    with pytest.raises(PlacementError, match=r"misses \d+ bytes|\d+ bytes do not fit"):
+        place(graph, BASE.with_memory(_sequential_peak(graph) // 20), method=method,
+              placer_type="colocation", grouper="coplace")
+
+
+def test_unknown_options():
+    with pytest.raises(ValueError, match="unknown method"):
+        place(GRAPHS["random_dag"], BASE, method="m_magic")
+    with pytest.raises(ValueError, match="unknown memory model"):
+        place(GRAPHS["random_dag"], BASE, memory_model="psychic")
+
+
+def test_placement_reports_and_trace(tmp_path):
+    p = place(GRAPHS["training_like"], BASE, method="m_sct", placer_type="fusion",
+              grouper="coplace")
+    summary = p.summary()
+    assert summary["num_units"] < summary["num_ops"]
+    assert summary["lp_rows"] > 0 and summary["makespan_over_lower_bound"] >= 1.0
+    p.schedule.write_chrome_trace(str(tmp_path / "trace.json"))
+    assert (tmp_path / "trace.json").stat().st_size > 0

@@ -1,0 +1,184 @@
+"""Placed graphs run: apply a placement, run it on 4 virtual CPU devices and on a local gRPC
+cluster, compare with one device, measure per-device memory; the communication benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import models
+from baechi.apply import ColocationError, apply_placement, enforced_colocation_groups
+from baechi.devices import DeviceSet
+from baechi.place import place
+from baechi.place_and_run import place_and_check
+from baechi.run import (LocalCluster, MemoryLimitError, compare_step, local_target,
+                        measure_placed_run)
+from baechi.schedule import PlacementError
+from profiler.tf_import import cost_graph_from_graph, step_operations
+from profiler.trace import step_fetches
+
+LIMIT_BYTES = 256 * 2**20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _by_layer(item: models.GraphItem, devices) -> dict[str, str]:
+    """A hand-made placement: the step's ops in graph order cut into len(devices) slices,
+    each colocation group on the device of its first op."""
+    groups = enforced_colocation_groups(item.graph)
+    ops = step_operations(item.graph, step_fetches(item))
+    group_device: dict[str, str] = {}
+    for k, op in enumerate(ops):
+        group_device.setdefault(groups[op.name], devices[k * len(devices) // len(ops)])
+    return {op.name: group_device[groups[op.name]] for op in ops}
+
+
+def _placer_devices(item: models.GraphItem, devices, **options) -> dict[str, str]:
+    """The real placer's placement on estimated costs."""
+    cost_graph = cost_graph_from_graph(item.graph, step_fetches(item))
+    device_set = DeviceSet.uniform(list(devices), LIMIT_BYTES, "0.0001754,134")
+    return place(cost_graph, device_set, **options).op_devices()
+
+
+@pytest.mark.parametrize("model_name, options", [
+    pytest.param("mlp", dict(method="m_topo"), id="mlp-m_topo"),
+    pytest.param("cifarnet", dict(method="m_etf", placer_type="colocation", grouper="coplace"),
+                 id="cifarnet-m_etf-coplace"),
+    pytest.param("resnet", dict(method="m_sct", placer_type="fusion", grouper="coplace"),
+                 id="resnet-m_sct-fusion"),
+    pytest.param("gnmt_v2", dict(method="m_etf", placer_type="fusion"), id="gnmt_v2-m_etf-fusion"),
+])
+def test_placed_step_equals_single_device_on_4_virtual_cpus(model_name, options):
+    item = models.build(model_name, preset="tiny")
+    target = local_target(4)
+    op_devices = _placer_devices(item, target.devices, **options)
+    assert len(set(op_devices.values())) > 1, "the placer used a single device"
+    placed = apply_placement(item, op_devices)
+    for op in placed.graph.get_operations():
+        assert op.device in target.devices, op.name
+    comparison = compare_step(item, placed, target)
+    comparison.check()
+    assert comparison.max_abs_gradient > 0
+    run = measure_placed_run(placed, target, {d: LIMIT_BYTES for d in target.devices},
+                             steps=1, warmup=1, trace_every=1)
+    run.check_limits()
+    used = set(op_devices.values())
+    assert set(run.peak_bytes) == used
+    assert all(run.peak_bytes[d] > 0 for d in used)
+
+
+def test_place_and_check_reports_plan_against_measurement():
+    item = models.build("mlp", preset="tiny")
+    target = local_target(2)
+    devices = DeviceSet.uniform(list(target.devices), "64MiB", "0.0001754,134")
+    placed, report = place_and_check(item, target, devices, method="m_etf")
+    assert report["equal_to_single_device"] and not report["over_limit_bytes"]
+    assert set(report["measured_peak_bytes"]) <= set(target.devices)
+    assert sum(report["ops_per_device"].values()) == report["plan"]["num_ops"]
+    assert report["plan"]["makespan_us"] > 0
+    json.dumps(report)  # the train report is JSON
+    assert {op.device for op in placed.graph.get_operations()} <= set(target.devices)
+
+
+def test_allocations_are_attributed_to_the_device_that_made_them():
+    item = models.build("mlp", preset="tiny", batch_size=512, width=1024)
+    target = local_target(2)
+    op_devices = {name: "/device:CPU:0" for name in _by_layer(item, target.devices)}
+    # The first layer's forward ops and their gradients on CPU:1: its [512, 1024] float32
+    # activations (2 MiB) are allocated there.
+    groups = enforced_colocation_groups(item.graph)
+    moved = {g for name, g in groups.items() if name.startswith(("layer_0/", "gradients/layer_0"))}
+    op_devices.update({name: "/device:CPU:1" for name in op_devices if groups[name] in moved})
+    run = measure_placed_run(apply_placement(item, op_devices), target, steps=1, warmup=1,
+                             trace_every=1)
+    activation_bytes = 512 * 1024 * 4
+    assert run.peak_bytes["/device:CPU:1"] >= activation_bytes
+    assert set(run.stats_devices.values()) == {
+        f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)}
+
+
+def test_memory_limit_violation_is_reported():
+    item = models.build("mlp", preset="tiny")
+    target = local_target(2)
+    placed = apply_placement(item, _by_layer(item, target.devices))
+    run = measure_placed_run(placed, target, {"/device:CPU:0": 1000}, steps=1, warmup=1,
+                             trace_every=1)
+    assert set(run.over_limit_bytes) == {"/device:CPU:0"}
+    with pytest.raises(MemoryLimitError, match="/device:CPU:0: peak"):
+        run.check_limits()
+
+
+def test_split_colocation_group_is_refused():
+    item = models.build("mlp", preset="tiny", optimizer="momentum")
+    op_devices = {name: "/device:CPU:0" for name in _by_layer(item, ["/device:CPU:0"])}
+    # A resource read away from its variable: TF would silently move it back.
+    op_devices["layer_0/MatMul/ReadVariableOp"] = "/device:CPU:1"
+    with pytest.raises(ColocationError, match="layer_0/kernel"):
+        apply_placement(item, op_devices)
+    # A `_class` group: the momentum slot is colocated with its variable.
+    op_devices["layer_0/MatMul/ReadVariableOp"] = "/device:CPU:0"
+    op_devices["layer_0/kernel/Momentum"] = "/device:CPU:1"
+    with pytest.raises(ColocationError):
+        apply_placement(item, op_devices)
+
+
+def test_incomplete_or_foreign_placement_is_refused():
+    item = models.build("mlp", preset="tiny")
+    op_devices = _by_layer(item, ["/device:CPU:0", "/device:CPU:1"])
+    missing = dict(op_devices)
+    del missing["loss"]
+    with pytest.raises(PlacementError, match="have no device"):
+        apply_placement(item, missing)
+    with pytest.raises(PlacementError, match="not in graph"):
+        apply_placement(item, {**op_devices, "no_such_op": "/device:CPU:0"})
+    with pytest.raises(PlacementError, match="malformed"):
+        apply_placement(item, {**op_devices, "loss": "CPU one"})
+
+
+def test_outside_step_ops_follow_their_variable():
+    item = models.build("mlp", preset="tiny")
+    op_devices = _by_layer(item, ["/device:CPU:0", "/device:CPU:1"])
+    placed = apply_placement(item, op_devices)
+    graph = placed.graph
+    for name in ("layer_0", "logits"):
+        variable = graph.get_operation_by_name(f"{name}/kernel")
+        initialiser = graph.get_operation_by_name(f"{name}/kernel/Assign")
+        assert initialiser.device == variable.device == op_devices[f"{name}/kernel"]
+    assert item.graph.get_operation_by_name("loss").device == ""  # original untouched
+
+
+@pytest.mark.grpc
+def test_two_grpc_workers_run_tiny_mlp():
+    item = models.build("mlp", preset="tiny")
+    with LocalCluster(2, lifetime_s=120, startup_timeout_s=60) as cluster:
+        target = cluster.run_target
+        op_devices = _placer_devices(item, target.devices, method="m_sct")
+        placed = apply_placement(item, op_devices)
+        compare_step(item, placed, target).check()
+        run = measure_placed_run(placed, target, steps=2, warmup=1, trace_every=2)
+        pids = cluster.worker_pids
+    assert set(run.peak_bytes) == set(op_devices.values())
+    assert np.isfinite(run.step_time_ms_median)
+    for pid in pids:  # terminated and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_communication_benchmark_writes_the_link_json(tmp_path):
+    output = tmp_path / "comm.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.communication_benchmark", "--transport=virtual",
+         "--max_power=4", "--repeats=3", f"--output={output}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--comm_cost_coeffs=" in result.stdout
+    data = json.loads(output.read_text())
+    assert data["zero_copy"] is True and len(data["measurements"]) == 5
+    assert output.with_suffix(".png").exists()
+    devices = DeviceSet.from_json(["/device:CPU:0", "/device:CPU:1"], "1GiB", str(output))
+    assert devices.links[0, 1].a_us_per_byte >= 0 and devices.links[0, 1].b_us >= 0

@@ -1,0 +1,96 @@
+"""The step simulator on hand-made graphs: exact makespans, transfers, memory peaks, trace."""
+
+import json
+
+import numpy as np
+import pytest
+
+from baechi.devices import DeviceSet
+from baechi.schedule import PlacementError, simulate
+from baechi.units import UnitGraph
+from profiler.cost_graph import CostGraph, OpSpec
+
+
+def _units(specs):
+    g = CostGraph.from_ops(specs)
+    return UnitGraph.singletons(g, np.arange(g.num_ops))
+
+
+def _devices(n=2, coeffs="0.01,2", memory="1GiB"):
+    return DeviceSet.uniform([f"/GPU:{i}" for i in range(n)], memory, coeffs)
+
+
+def test_chain_on_one_device_is_the_sum():
+    units = _units([OpSpec("a", "X", output_bytes=[100], compute_us=3),
+                    OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[100], compute_us=4),
+                    OpSpec("c", "X", inputs=[("b", 0)], compute_us=5)])
+    s = simulate(units, _devices(), [0, 0, 0])
+    assert s.makespan_us == 12 and s.start_us.tolist() == [0, 3, 7]
+    assert len(s.transfer_tensor) == 0
+
+
+def test_cross_device_edge_pays_the_link():
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=10),
+                    OpSpec("b", "X", inputs=[("a", 0)], compute_us=5)])
+    s = simulate(units, _devices(), [0, 1])
+    assert s.makespan_us == pytest.approx(10 + (0.01 * 1000 + 2) + 5)
+
+
+def test_transfers_serialise_per_link_direction_and_copies_are_reused():
+    # a and b on device 0 each send 1000 bytes to device 1 (12 us each on the link);
+    # c reads both, d reads a again: one copy of a, no second transfer.
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("b", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("c", "X", inputs=[("a", 0), ("b", 0)], compute_us=1),
+                    OpSpec("d", "X", inputs=[("a", 0)], compute_us=1)])
+    s = simulate(units, _devices(), [0, 0, 1, 1])
+    # a: [0,1], b: [1,2]; a's copy [1,13], b's copy waits for the link: [13,25]; c [25,26].
+    assert sorted(s.transfer_start_us.tolist()) == [1, 13]
+    assert s.start_us[2] == 25 and s.makespan_us == 27
+    assert len(s.transfer_tensor) == 2
+
+
+def test_opposite_directions_do_not_serialise():
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("b", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("c", "X", inputs=[("a", 0)], compute_us=1),
+                    OpSpec("d", "X", inputs=[("b", 0)], compute_us=1)])
+    s = simulate(units, _devices(), [0, 1, 1, 0])
+    assert s.makespan_us == 1 + 12 + 1
+
+
+def test_liveness_and_static_peaks():
+    # a (100 B) -> b (10 B) -> c on device 0; b's output is also sent to device 1 (d).
+    units = _units([OpSpec("a", "X", output_bytes=[100], compute_us=1, persistent_bytes=7),
+                    OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[10], compute_us=1,
+                           temp_bytes=50),
+                    OpSpec("c", "X", inputs=[("b", 0)], output_bytes=[1], compute_us=1),
+                    OpSpec("d", "X", inputs=[("b", 0)], output_bytes=[1000], compute_us=1)])
+    s = simulate(units, _devices(coeffs="0,1"), [0, 0, 0, 1])
+    # device 0 during b: 7 persistent + 100 (a) + 10 (b) + 50 temp; device 1: copy 10 + d 1000
+    assert s.peak_bytes.tolist() == [167, 1010]
+    static = simulate(units, _devices(coeffs="0,1"), [0, 0, 0, 1], memory_model="static")
+    assert static.peak_bytes.tolist() == [7 + 100 + 10 + 50 + 1, 10 + 1000]
+
+
+def test_order_must_be_topological():
+    units = _units([OpSpec("a", "X", output_bytes=[1]), OpSpec("b", "X", inputs=[("a", 0)])])
+    with pytest.raises(PlacementError, match="topological"):
+        simulate(units, _devices(), [0, 0], order=[1, 0])
+    with pytest.raises(PlacementError, match="device index"):
+        simulate(units, _devices(), [0, 5])
+
+
+def test_chrome_trace(tmp_path):
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=10),
+                    OpSpec("b", "X", inputs=[("a", 0)], compute_us=5)])
+    s = simulate(units, _devices(), [0, 1])
+    path = tmp_path / "trace.json"
+    s.write_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    compute = [e for e in events if e.get("cat") == "compute"]
+    transfers = [e for e in events if e.get("cat") == "transfer"]
+    assert [(e["name"], e["pid"], e["ts"], e["dur"]) for e in compute] == [
+        ("a", 0, 0.0, 10.0), ("b", 1, 22.0, 5.0)]
+    assert transfers[0]["args"]["bytes"] == 1000 and transfers[0]["dur"] == pytest.approx(12)
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"/GPU:0", "/GPU:1"}

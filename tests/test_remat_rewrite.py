@@ -1,0 +1,154 @@
+"""The rematerialization rewrite on real TF graphs: clones, control edges, same numbers, less
+memory, predictions that hold, unsafe clones refused, the sweep tool and the train flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import models
+from profiler.tf_import import cost_graph_from_graph
+from remat.measure import compare_outputs, measure_rewrite, measure_step
+from remat.pipeline import BudgetError, parse_bytes, rematerialize
+from remat.plan import COMPUTE, RECOMPUTE, Event, RematPlan
+from remat.rewrite import RematRewriteError, rewrite
+from remat.schedule import plan_from_schedule
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_MLP = dict(batch_size=2048, depth=8, width=256, input_dim=64)
+
+
+def _step_graph(item):
+    return cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+
+
+def _recompute_layer0_before_backward(graph):
+    """Schedule: every op in id order, with layer_0's MatMul/BiasAdd/Relu run again right
+    before the first gradient op that reads layer_0/Relu."""
+    chain = [graph.index[f"layer_0/{name}"] for name in ("MatMul", "BiasAdd", "Relu")]
+    relu_out = graph.output_offset[chain[-1]]
+    first_backward = min(int(c) for c in graph.tensor_consumers(relu_out)
+                         if graph.names[c].startswith("gradients/"))
+    schedule = list(range(graph.num_ops))
+    return schedule[:first_backward] + chain + schedule[first_backward:]
+
+
+def test_hand_plan_clones_rewires_and_keeps_numbers():
+    item = models.build("mlp", preset="tiny")
+    before = item.graph.as_graph_def().SerializeToString(deterministic=True)
+    graph = _step_graph(item)
+    plan = plan_from_schedule(graph, _recompute_layer0_before_backward(graph), None, "hand")
+    rewritten = rewrite(item, graph, plan)
+
+    assert item.graph.as_graph_def().SerializeToString(deterministic=True) == before
+    assert rewritten.graph is not item.graph
+    clones = {op.name: op for op in rewritten.graph.get_operations() if "/remat_" in op.name}
+    assert set(clones) == {"layer_0/MatMul/remat_1", "layer_0/BiasAdd/remat_1",
+                           "layer_0/Relu/remat_1"}
+    assert clones["layer_0/MatMul/remat_1"].control_inputs, "the first clone must be anchored"
+    assert [t.op.name for t in clones["layer_0/Relu/remat_1"].inputs] == [
+        "layer_0/BiasAdd/remat_1"]
+    readers = [op.name for op in rewritten.graph.get_operations()
+               if any(t.name == "layer_0/Relu:0" for t in op.inputs)]
+    assert readers and all(not name.startswith("gradients/") for name in readers)
+    assert rewritten.config["remat"]["clones"] == 3
+    match = compare_outputs(item, rewritten)
+    assert match["loss_match"] and match["gradients_match"]
+
+
+def test_pin_order_clones_adds_one_edge_per_clone():
+    item = models.build("mlp", preset="tiny")
+    graph = _step_graph(item)
+    plan = plan_from_schedule(graph, _recompute_layer0_before_backward(graph), None, "hand")
+    rewritten = rewrite(item, graph, plan, pin_order="clones")
+    # MatMul's clone gets a control edge; BiasAdd's and Relu's read their anchor's output.
+    assert rewritten.config["remat"]["control_edges"] == 1
+
+
+@pytest.mark.parametrize("model, op", [("cifarnet", "dropout/random_uniform/RandomUniform"),
+                                       ("mlp", "layer_0/MatMul/ReadVariableOp")])
+def test_refuses_to_clone_random_or_stateful_ops(model, op):
+    item = models.build(model, preset="tiny")
+    graph = _step_graph(item)
+    assert op in graph.index, sorted(n for n in graph.names if "dropout" in n)
+    events = [Event(COMPUTE, i) for i in range(graph.num_ops)]
+    events.insert(len(events) - 1, Event(RECOMPUTE, graph.index[op]))
+    plan = RematPlan(events, 0, 0, 1.0, 1.0, "hand")
+    with pytest.raises(RematRewriteError, match="would not reproduce"):
+        rewrite(item, graph, plan)
+
+
+def test_real_plan_at_tight_budget_saves_measured_memory():
+    item = models.build("mlp", preset=None, **SMALL_MLP)
+    baseline = measure_step(item, steps=2, warmup=1)
+    rewritten, plan = rematerialize(item, baseline.profile, budget_ratio=0.6, heuristic="dtr",
+                                    overhead_limit=3.0)
+    assert plan.num_recomputes > 0
+    report = measure_rewrite(item, rewritten, plan, baseline=baseline, steps=2, warmup=1)
+    assert report["peak_ratio"] < 0.75, report
+    assert abs(report["prediction_error"]) < 0.15, report
+    assert report["loss_match"] and report["gradients_match"]
+
+
+def test_memory_model_follows_tf_allocations():
+    from remat.tf_memory import expand_plan, tf_memory_model
+
+    item = models.build("mlp", preset="tiny")
+    model = tf_memory_model(item)
+    graph, plan_graph = model.cost_graph, model.plan_graph
+    # A variable read aliases the variable; feeds are resident; MatMul -> BiasAdd -> Relu is
+    # one buffer, hence one planning node.
+    assert graph.output_bytes(graph.index["layer_0/MatMul/ReadVariableOp"]).sum() == 0
+    assert graph.persistent_bytes[graph.index["inputs"]] == item.feeds["inputs:0"].nbytes
+    node = plan_graph.index["layer_0/Relu"]
+    assert plan_graph.op_types[node] == "MatMul+BiasAdd+Relu"
+    assert [graph.names[i] for i in model.members[node]] == [
+        "layer_0/MatMul", "layer_0/BiasAdd", "layer_0/Relu"]
+    plan = plan_from_schedule(plan_graph, list(range(plan_graph.num_ops)) + [node], None, "x")
+    expanded = expand_plan(model, plan)
+    assert [e for e in expanded.events if e.kind == RECOMPUTE] == [
+        Event(RECOMPUTE, graph.index[f"layer_0/{name}"]) for name in ("MatMul", "BiasAdd", "Relu")]
+
+
+def test_budget_below_minimum_names_the_minimum():
+    item = models.build("mlp", preset="tiny")
+    with pytest.raises(BudgetError, match="the minimum is") as error:
+        rematerialize(item, _step_graph(item), budget_bytes=1024)
+    assert error.value.minimum_bytes > 1024
+
+
+def test_parse_bytes():
+    assert parse_bytes("300MiB") == 300 * 2**20
+    assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
+    assert parse_bytes("1000") == 1000
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_sweep_runs_tiny_config(tmp_path):
+    from tools.sweep import run_sweep
+
+    with open(os.path.join(REPO, "tools/sweep_configs/tiny.json")) as f:
+        config = json.load(f)
+    results = run_sweep(config, str(tmp_path))
+    for name in ("sweep.json", "summary.txt", "overhead_vs_budget.png",
+                 "planned_vs_measured.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    ok = [r for r in results if r["type"] == "dtr" and r["status"] == "ok"]
+    assert {r["heuristic"] for r in ok} == {"dtr", "offline"}
+    assert all(r["loss_match"] and r["gradients_match"] for r in ok)
+    assert [r["status"] for r in results if r.get("kind") == "fixed"] == ["infeasible"]
+
+
+def test_train_flag_budget_below_minimum_is_a_usage_error():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.train", "--model_name=mlp", "--preset=tiny", "--steps=1",
+         "--memory_budget=1KiB", "--report_path=/dev/null"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "the minimum is" in run.stderr + run.stdout
