@@ -1,0 +1,516 @@
+"""Replay a step under a memory budget the way DTR's runtime would, and return the plan.
+
+Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021, §3) runs a program's ops in order;
+when an allocation would exceed the budget it evicts the resident tensor a heuristic scores
+lowest, and when an op needs an evicted tensor it recomputes it, recursively. Run offline on a
+``CostGraph``, the same procedure yields a ``RematPlan``: the compute / recompute / free events
+a rewrite or a memory model can follow.
+
+The memory model (``remat.validate.replay_plan`` checks any plan with the same rules):
+
+- Persistent bytes (variables, constants) are resident for the whole step, never evicted.
+- Running (or recomputing) op i needs every input resident, then allocates all its outputs and
+  ``temp_bytes[i]`` (temporaries, released when it ends). A recomputation makes all the op's
+  outputs, as DTR does; outputs that were still resident keep their version, the duplicate is
+  counted as transient memory of the op.
+- A tensor is freed right after its last use in the order ("eager eviction"); a tensor nobody
+  reads is freed as soon as it is made, unless it is one of the step's ``outputs``, which must
+  all be resident when the step ends (they are recomputed then if evicted).
+- A tensor that was dead but had to be recomputed to recompute another one is freed once the
+  op that needed it has run, unless it may serve again (an op reading it has an evicted output
+  that is still needed): then it stays, evictable, until that is no longer so.
+- Never evicted, never recomputed: outputs of stateful, random, variable and resource-reading
+  ops and of ops without data inputs (feeds, constants; their memory is held by the runtime
+  anyway). When such a tensor dies, the ops reading it can no longer be recomputed, so their
+  resident outputs are pinned from then on (DTR's "banishing"); if one of their outputs is
+  evicted and still needed, or pinning them would hold more bytes than the tensor itself, the
+  tensor is kept until their last use instead.
+
+Failures are exceptions: ``BudgetTooSmallError`` when the budget is below a lower bound every
+plan of this order needs (the message names it), ``OutOfMemoryError`` when the heuristic runs out
+of evictable memory above that bound, ``ThrashError`` when recomputation exceeds
+``overhead_limit`` times the step's compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from profiler.cost_graph import CostGraph
+from remat.heuristics import HEURISTICS, make_heuristic
+from remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
+
+__all__ = ["RematError", "OutOfMemoryError", "BudgetTooSmallError", "ThrashError",
+           "InvalidOrderError", "simulate", "minimum_budget_bytes", "baseline_peak_bytes",
+           "recomputable_ops", "execution_order", "PLANNERS", "OFFLINE_PORTFOLIO"]
+
+# What ``simulate`` accepts: every eviction score, plus the offline portfolio.
+PLANNERS = HEURISTICS + ("offline",)
+# The scores the ``offline`` planner replays; it keeps the cheapest plan.
+OFFLINE_PORTFOLIO = ("belady", "dtr")
+
+
+class RematError(Exception):
+    """A plan cannot be made."""
+
+
+class InvalidOrderError(RematError, ValueError):
+    """The given execution order is not a permutation of the ops consistent with dependencies."""
+
+
+class OutOfMemoryError(RematError):
+    """The simulation found nothing left to evict.
+
+    Attributes: ``budget_bytes``, ``minimum_bytes`` (the lower bound no plan of this order can
+    go below), ``op`` (name of the op that could not run, or None).
+    """
+
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int, op: str | None):
+        super().__init__(message)
+        self.budget_bytes, self.minimum_bytes, self.op = budget_bytes, minimum_bytes, op
+
+
+class BudgetTooSmallError(OutOfMemoryError):
+    """The budget is below ``minimum_bytes``: persistent bytes plus the largest working set."""
+
+
+class ThrashError(RematError):
+    """Recomputation exceeded the overhead limit (attributes ``overhead``, ``limit``)."""
+
+    def __init__(self, message: str, overhead: float, limit: float):
+        super().__init__(message)
+        self.overhead, self.limit = overhead, limit
+
+
+def recomputable_ops(graph: CostGraph) -> np.ndarray:
+    """Mask of ops that may be recomputed: not stateful, random, a variable, a reader of a
+    resource, nor an op without data inputs."""
+    has_inputs = np.fromiter((len(graph.op_inputs(i)) > 0 for i in range(graph.num_ops)),
+                             dtype=bool, count=graph.num_ops)
+    return ~(graph.is_stateful | graph.is_random | graph.is_variable | graph.reads_resource) \
+        & has_inputs
+
+
+def execution_order(graph: CostGraph, order: Sequence[int] | None = None) -> list[int]:
+    """``order`` checked (or the graph's topological ids when None).
+
+    Raises:
+        InvalidOrderError: when ``order`` is not a permutation of the op ids, or runs an op
+            before one of its data or control predecessors.
+    """
+    n = graph.num_ops
+    if order is None:
+        return list(range(n))
+    order = [int(i) for i in order]
+    if sorted(order) != list(range(n)):
+        raise InvalidOrderError(f"the order must list each of the {n} op ids exactly once "
+                                f"(got {len(order)} entries, {len(set(order))} distinct)")
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    for i in order:
+        for p in graph.predecessors(i):
+            if pos[p] > pos[i]:
+                raise InvalidOrderError(f"op {graph.names[i]!r} runs before its input "
+                                        f"{graph.names[p]!r}")
+    return order
+
+
+def minimum_budget_bytes(graph: CostGraph, order: Sequence[int] | None = None,
+                         outputs: Sequence[int] = ()) -> int:
+    """A budget every plan following ``order`` needs, whatever it recomputes.
+
+    It is the largest, over the ops, of: persistent bytes + bytes of unevictable tensors alive
+    at the op (outputs of ops that cannot be recomputed, from their op to their last use) +
+    the op's working set (its distinct inputs, all its outputs, its temporary bytes); and, at
+    the end, persistent bytes + unevictable tensors alive + the step's outputs.
+
+    Raises:
+        InvalidOrderError: for a bad ``order``.
+    """
+    order = execution_order(graph, order)
+    n = graph.num_ops
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    pinned_op = ~recomputable_ops(graph)
+    pinned_t = pinned_op[graph.tensor_producer]
+    is_output = np.zeros(graph.num_tensors, dtype=bool)
+    is_output[list(outputs)] = True
+    live = np.zeros(n + 2, dtype=np.int64)
+    for t in np.flatnonzero(pinned_t & (graph.tensor_bytes > 0)):
+        start = pos[graph.tensor_producer[t]]
+        uses = pos[graph.tensor_consumers(t)]
+        end = n if is_output[t] else (int(uses.max()) if len(uses) else start)
+        live[start] += graph.tensor_bytes[t]
+        live[end + 1] -= graph.tensor_bytes[t]
+    live = np.cumsum(live)
+    size = graph.tensor_bytes
+    best = 0
+    for i in range(n):
+        ts = list(dict.fromkeys(graph.op_inputs(i).tolist())) + list(graph.op_outputs(i))
+        working = int(sum(size[t] for t in ts if not pinned_t[t])) + int(graph.temp_bytes[i])
+        best = max(best, int(live[pos[i]]) + working)
+    at_end = int(live[n]) + int(size[[t for t in outputs if not pinned_t[t]]].sum())
+    return int(graph.persistent_bytes.sum()) + max(best, at_end)
+
+
+class _Simulation:
+    """One replay: state in Python lists (scalar access) and numpy arrays (what the
+    heuristics score in bulk). Attribute names are the ``SimulationState`` protocol."""
+
+    def __init__(self, graph: CostGraph, budget_bytes: float, heuristic: str,
+                 order: list[int], outputs: Sequence[int], overhead_limit: float, seed: int):
+        self.started = time.perf_counter()
+        n, num_t = graph.num_ops, graph.num_tensors
+        self.graph, self.budget = graph, budget_bytes
+        self.order = order
+        pos = [0] * n
+        for p, i in enumerate(order):
+            pos[i] = p
+        self.producer = graph.tensor_producer.tolist()
+        self.size = graph.tensor_bytes.tolist()
+        self.size_bytes = graph.tensor_bytes.astype(np.float64)
+        self.op_cost_us = graph.compute_us.tolist()
+        self.tensor_cost_us = graph.compute_us[graph.tensor_producer]
+        self.temp = graph.temp_bytes.tolist()
+        self.op_inputs = [list(dict.fromkeys(graph.op_inputs(i).tolist())) for i in range(n)]
+        self.op_outputs = [list(graph.op_outputs(i)) for i in range(n)]
+        self.consumers = [graph.tensor_consumers(t).tolist() for t in range(num_t)]
+        self.use_pos = [sorted(pos[j] for j in cons) for cons in self.consumers]
+        self.use_ptr = [0] * num_t
+        self.is_output = [False] * num_t
+        for t in outputs:
+            self.is_output[int(t)] = True
+        self.end, never = n, n + 1
+        self.next_use = np.array([u[0] if u else (self.end if o else never)
+                                  for u, o in zip(self.use_pos, self.is_output)], dtype=np.int64)
+        self.recomputable = recomputable_ops(graph).tolist()
+        self.keep_forever = graph.is_variable.tolist()
+        self.evictable = [self.recomputable[p] and s > 0
+                          for p, s in zip(self.producer, self.size)]
+        self.resident = [False] * num_t
+        self.computed = [False] * n
+        self.locks = [0] * num_t
+        self.candidate = np.zeros(num_t, dtype=bool)
+        self.last_access = np.zeros(num_t, dtype=np.float64)
+        self.heuristic = make_heuristic(heuristic, num_t, seed)
+        self.constants = int(graph.persistent_bytes.sum())
+        self.current = self.peak = self.constants
+        self.clock = 0.0
+        self.position = 0
+        self.baseline_us = float(graph.compute_us.sum())
+        self.recompute_us = 0.0
+        self.limit = overhead_limit
+        self.events: list[Event] = []
+        self.scratch: list[int] = []
+        self.retry: dict[int, list[int]] = {}
+        self.stats = {"evictions": 0, "banished": 0, "deferred_banishments": 0}
+        self.minimum = minimum_budget_bytes(graph, order, outputs)
+
+    # -- liveness ---------------------------------------------------------------------------
+    def is_live(self, t: int) -> bool:
+        """Still read by a later op of the order, or a step output."""
+        return self.use_ptr[t] < len(self.use_pos[t]) or self.is_output[t]
+
+    # -- the candidate set ------------------------------------------------------------------
+    def _lock(self, t: int) -> None:
+        self.locks[t] += 1
+        self.candidate[t] = False
+
+    def _unlock(self, t: int) -> None:
+        self.locks[t] -= 1
+        if self.locks[t] == 0 and self.resident[t] and self.evictable[t]:
+            self.candidate[t] = True
+
+    def _drop(self, t: int) -> None:
+        self.resident[t] = False
+        self.candidate[t] = False
+        self.current -= self.size[t]
+        self.events.append(Event(FREE, t))
+
+    # -- eviction ---------------------------------------------------------------------------
+    def _make_room(self, need: int, op: int) -> None:
+        h = self.heuristic
+        cand = np.flatnonzero(self.candidate)
+        excess = self.current + need - self.budget
+        if not len(cand) or self.size_bytes[cand].sum() < excess:
+            self._out_of_memory(op, need)
+        bounds = h.bounds(self, cand)
+        ranked = cand[np.argsort(bounds, kind="stable")]
+        if h.refine is None:
+            freed = np.cumsum(self.size_bytes[ranked])
+            k = int(np.searchsorted(freed, excess)) + 1
+            for t in ranked[:k].tolist():
+                self._evict(t)
+            return
+        bounds_sorted = np.sort(bounds, kind="stable").tolist()
+        ranked = ranked.tolist()
+        start = 0
+        while self.current + need > self.budget:
+            while not self.candidate[ranked[start]]:
+                start += 1
+            best, best_score = -1, math.inf
+            for k in range(start, len(ranked)):
+                if bounds_sorted[k] >= best_score:
+                    break
+                t = ranked[k]
+                if self.candidate[t]:
+                    score = h.refine(self, t, best_score)
+                    if score < best_score:
+                        best, best_score = t, score
+            self._evict(best)
+
+    def _evict(self, t: int) -> None:
+        self._drop(t)
+        self.stats["evictions"] += 1
+        self.heuristic.on_evict(self, t)
+
+    def _out_of_memory(self, op: int, need: int):
+        name = self.graph.names[op] if op >= 0 else None
+        what = f"op {name!r}" if name else "the step's outputs"
+        raise OutOfMemoryError(
+            f"heuristic {self.heuristic.name!r} ran out of evictable memory at {what} with "
+            f"budget {self.budget:,.0f} bytes ({self.current:,} resident, {need:,} needed, "
+            f"{int(self.size_bytes[self.candidate].sum()):,} evictable); no plan in this order "
+            f"fits below {self.minimum:,} bytes: raise the budget above that, or try another "
+            "heuristic", int(self.budget), self.minimum, name)
+
+    # -- running ops ------------------------------------------------------------------------
+    def _run(self, q: int, recompute: bool) -> None:
+        """Allocate q's outputs and temporaries (evicting as needed) and advance the clock."""
+        outs = self.op_outputs[q]
+        need = self.temp[q] + sum(self.size[w] for w in outs)
+        if self.current + need > self.budget:
+            for w in outs:
+                self._lock(w)
+            self._make_room(need, q)
+            for w in outs:
+                self._unlock(w)
+        self.peak = max(self.peak, self.current + need)
+        self.clock += self.op_cost_us[q]
+        for w in outs:
+            if not self.resident[w]:
+                self.resident[w] = True
+                self.current += self.size[w]
+                if self.evictable[w] and not self.locks[w]:
+                    self.candidate[w] = True
+                if recompute:
+                    self.heuristic.on_rematerialize(self, w)
+                    if not self.is_live(w):
+                        self.scratch.append(w)
+            self.last_access[w] = self.clock
+        self.computed[q] = True
+        self.events.append(Event(RECOMPUTE if recompute else COMPUTE, q))
+        if recompute:
+            self.recompute_us += self.op_cost_us[q]
+            if self.baseline_us + self.recompute_us > self.limit * self.baseline_us:
+                overhead = 1.0 + self.recompute_us / self.baseline_us
+                raise ThrashError(
+                    f"heuristic {self.heuristic.name!r} thrashes at budget {self.budget:,.0f} "
+                    f"bytes: recomputation reached {overhead:.2f}x the step's compute (limit "
+                    f"{self.limit}x); raise the budget or the overhead limit", overhead,
+                    self.limit)
+
+    def _execute(self, op: int, inputs: list[int]) -> None:
+        """Make ``inputs`` resident (recomputing evicted ones, recursively, with an explicit
+        stack), then run ``op`` (-1: only lock the inputs, for the end of the step)."""
+        frames = [[op, inputs, 0]]
+        while frames:
+            frame = frames[-1]
+            q, ins, k = frame
+            if k < len(ins):
+                t = ins[k]
+                if self.resident[t]:
+                    self._lock(t)
+                    frame[2] = k + 1
+                else:
+                    p = self.producer[t]
+                    if not self.recomputable[p] or not self.computed[p]:
+                        raise RematError(f"internal error: {self.graph.tensor_name(t)} is needed "
+                                         "but can no longer be recomputed")
+                    frames.append([p, self.op_inputs[p], 0])
+                continue
+            frames.pop()
+            if q < 0:
+                return
+            self._run(q, recompute=bool(frames) or self.computed[q])
+            for t in ins:
+                self._unlock(t)
+                self.last_access[t] = self.clock
+
+    def _clean_scratch(self) -> None:
+        """Free the dead tensors recomputation brought back, unless they may serve again:
+        an op reading one has an evicted output that is still needed."""
+        kept = []
+        for t in self.scratch:
+            if self.is_live(t) or not self.resident[t]:
+                continue
+            if any(not self.resident[w] and self.is_live(w)
+                   for r in self.consumers[t] if self.computed[r] for w in self.op_outputs[r]):
+                kept.append(t)
+            else:
+                self._release(t)
+        self.scratch = kept
+
+    def _use(self, t: int) -> None:
+        """Op at the current position read ``t``: advance its next use, free it if dead."""
+        self.use_ptr[t] += 1
+        uses = self.use_pos[t]
+        if self.use_ptr[t] < len(uses):
+            self.next_use[t] = uses[self.use_ptr[t]]
+        else:
+            self.next_use[t] = self.end if self.is_output[t] else self.end + 1
+            if not self.is_output[t]:
+                self._release(t)
+
+    def _release(self, t: int) -> None:
+        """``t`` is dead: free it now (or banish it, if it cannot be recomputed)."""
+        if not self.resident[t] or self.locks[t]:
+            return
+        if self.recomputable[self.producer[t]]:
+            self._drop(t)
+            self.heuristic.on_evict(self, t)
+        elif not self.keep_forever[self.producer[t]]:
+            self._banish(t)
+
+    def _banish(self, u: int) -> None:
+        """Free unrecomputable ``u`` if no evicted, still-needed tensor depends on it through
+        evicted ones, and pin the resident outputs of the ops that lose their input — unless
+        those are larger than u. Otherwise retry after the last use of the tensors that block
+        it (or would be pinned)."""
+        ops, pin, blocked_until, pinned_bytes, pin_until = [], [], -1, 0, -1
+        seen, stack = {u}, [u]
+        while stack:
+            for r in self.consumers[stack.pop()]:
+                if not self.recomputable[r]:
+                    continue
+                ops.append(r)
+                for w in self.op_outputs[r]:
+                    if self.resident[w]:
+                        pin.append(w)
+                        if self.is_live(w) and self.evictable[w]:
+                            pinned_bytes += self.size[w]
+                            last = self.end if self.is_output[w] else self.use_pos[w][-1]
+                            pin_until = max(pin_until, last)
+                    elif self.is_live(w):
+                        last = self.end if self.is_output[w] else self.use_pos[w][-1]
+                        blocked_until = max(blocked_until, last)
+                    elif w not in seen:
+                        seen.add(w)
+                        stack.append(w)
+        if pinned_bytes > self.size[u] and self.budget < math.inf:
+            # Keeping u costs less memory than pinning what it feeds (without a budget,
+            # nothing is ever evicted, so pinning is free).
+            blocked_until = max(blocked_until, pin_until)
+        if blocked_until >= 0:
+            self.stats["deferred_banishments"] += 1
+            self.retry.setdefault(blocked_until, []).append(u)
+            return
+        self._drop(u)
+        self.stats["banished"] += 1
+        for r in ops:
+            self.recomputable[r] = False
+        for w in pin:
+            self.evictable[w] = False
+            self.candidate[w] = False
+
+    def run(self) -> RematPlan:
+        if self.budget < self.minimum:
+            raise BudgetTooSmallError(
+                f"budget {self.budget:,.0f} bytes is below the minimum of {self.minimum:,} "
+                "bytes this step needs in this order (persistent bytes + unevictable live "
+                "tensors + the largest op working set)", int(self.budget), self.minimum, None)
+        for p, i in enumerate(self.order):
+            self.position = p
+            self._execute(i, self.op_inputs[i])
+            for t in self.op_inputs[i]:
+                self._use(t)
+            for w in self.op_outputs[i]:
+                if not self.use_pos[w] and not self.is_output[w]:
+                    self._release(w)
+            self._clean_scratch()
+            for u in self.retry.pop(p, ()):
+                self._release(u)
+        self.position = self.end
+        self._execute(-1, [t for t, o in enumerate(self.is_output) if o])
+        stats = dict(self.stats, heuristic=self.heuristic.name, minimum_bytes=self.minimum,
+                     planning_s=time.perf_counter() - self.started)
+        return RematPlan(events=self.events, budget_bytes=int(min(self.budget, 2**63 - 1)),
+                         peak_bytes=int(self.peak), baseline_compute_us=self.baseline_us,
+                         compute_us=self.baseline_us + self.recompute_us,
+                         method=self.heuristic.name, stats=stats)
+
+
+def simulate(graph: CostGraph, budget_bytes: float | None, heuristic: str = "dtr", *,
+             order: Sequence[int] | None = None, outputs: Sequence[int] = (),
+             overhead_limit: float = 2.0, seed: int = 0) -> RematPlan:
+    """Plan a step under ``budget_bytes`` with a DTR eviction heuristic.
+
+    Parameters:
+        graph: the step's cost graph.
+        budget_bytes: memory budget including persistent bytes (None: unlimited, which gives
+            the checkpoint-all plan).
+        heuristic: one of ``PLANNERS``: an eviction score of ``remat.heuristics``, or
+            ``"offline"``, which replays the step with each score of ``OFFLINE_PORTFOLIO``
+            (``belady`` reads the known future) and returns the cheapest plan (fewest
+            recomputed microseconds, then lowest peak) — possible only offline, and never
+            worse than ``dtr`` by construction.
+        order: the execution order (op ids); default: the graph's topological ids.
+        outputs: tensor ids that must be resident when the step ends (fetches).
+        overhead_limit: fail as thrashing when compute with recomputation exceeds this
+            multiple of the step's compute.
+        seed: seed of the ``random`` heuristic. Everything else is deterministic.
+
+    Returns:
+        The plan; ``stats`` holds evictions, banishments, the minimum budget and planning time.
+
+    Raises:
+        BudgetTooSmallError: the budget is below ``minimum_budget_bytes`` (named in the message).
+        OutOfMemoryError: nothing left to evict although the budget is above the minimum.
+        ThrashError: the overhead limit was exceeded.
+        InvalidOrderError: for a bad ``order``; ValueError for an unknown heuristic.
+
+    Examples:
+        >>> from profiler.synthetic import training_like
+        >>> g = training_like(60, seed=1)
+        >>> full = simulate(g, None)
+        >>> (full.overhead, full.num_recomputes, full.peak_bytes == baseline_peak_bytes(g))
+        (1.0, 0, True)
+        >>> try:
+        ...     simulate(g, full.peak_bytes // 2, "dtr")
+        ... except BudgetTooSmallError as e:
+        ...     print(e.minimum_bytes == minimum_budget_bytes(g))
+        True
+
+    References:
+        Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021, §3 (the runtime
+        algorithm and h_DTR) and its simulator (uwsampl/dtr-prototype, simrd).
+    """
+    order = execution_order(graph, order)
+    budget = math.inf if budget_bytes is None else float(budget_bytes)
+    if heuristic != "offline":
+        return _Simulation(graph, budget, heuristic, order, outputs, overhead_limit, seed).run()
+    plans, errors = [], []
+    for member in OFFLINE_PORTFOLIO:
+        try:
+            plans.append(_Simulation(graph, budget, member, order, outputs, overhead_limit,
+                                     seed).run())
+        except (OutOfMemoryError, ThrashError) as e:
+            errors.append(e)
+    if not plans:
+        raise errors[0]
+    best = min(plans, key=lambda plan: (plan.compute_us, plan.peak_bytes))
+    best.stats.update(chosen=best.method, tried=list(OFFLINE_PORTFOLIO),
+                      planning_s=sum(plan.stats["planning_s"] for plan in plans))
+    best.method = "offline"
+    return best
+
+
+def baseline_peak_bytes(graph: CostGraph, order: Sequence[int] | None = None,
+                        outputs: Sequence[int] = ()) -> int:
+    """Peak of the checkpoint-all plan (no budget, nothing recomputed), the reference budget
+    ratios are taken of."""
+    return simulate(graph, None, "lru", order=order, outputs=outputs).peak_bytes
