@@ -6,9 +6,9 @@ The Baechi-style entry point (``bazel-bin/train`` or ``python -m tools.train``):
     python -m tools.train --model_name=mlp --costgen --cost_path=out/mlp_costs.json
 
 It prints the median step time and the peak memory of the step, and writes a JSON report
-(``--report_path``). With ``--memory_budget`` or ``--memory_ratio`` the step is first
-rematerialized (``remat.pipeline``) and the report compares planned and measured peak and
-overhead. With ``--num_devices`` > 1 the step is placed (Baechi: ``--placement_method``,
+(``--report_path``). The passes are ``baechi.optimize``'s: with ``--memory_budget`` or
+``--memory_ratio`` the step is first rematerialized and the report compares planned and
+measured peak and overhead. With ``--num_devices`` > 1 the step is placed (Baechi: ``--placement_method``,
 ``--placer_type``, ``--grouper``, memory and communication flags), applied, checked against the
 single-device step and run on the devices (``--cluster``: this process or local gRPC workers); the
 report compares the planned makespan and per-device peaks with the measured ones.
@@ -114,43 +114,6 @@ def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: s
             "losses": losses, "peak_bytes": int(peak)}
 
 
-def _rematerialize(item, report: dict):
-    """Plan and rewrite ``item`` under --memory_budget / --memory_ratio, measure the result
-    against the plan (report["remat"]) and return the rewritten step."""
-    from profiler.trace import print_progress
-    from remat.measure import measure_rewrite, measure_step
-    from remat.pipeline import PLANNERS, BudgetError, parse_bytes, rematerialize
-
-    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
-        raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")
-    if FLAGS.remat_heuristic not in PLANNERS:
-        raise app.UsageError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
-                             f"{', '.join(PLANNERS)}")
-    try:
-        budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
-    except ValueError as error:
-        raise app.UsageError(f"--memory_budget: {error}") from error
-    baseline = measure_step(item, steps=3, warmup=FLAGS.warmup_steps,
-                            num_cpu_devices=FLAGS.num_devices)
-    try:
-        rewritten, plan = rematerialize(item, baseline.profile, budget_bytes=budget,
-                                        budget_ratio=FLAGS.memory_ratio,
-                                        heuristic=FLAGS.remat_heuristic,
-                                        overhead_limit=FLAGS.remat_overhead_limit)
-    except BudgetError as error:
-        raise app.UsageError(str(error)) from error
-    result = measure_rewrite(item, rewritten, plan, baseline=baseline)
-    report["remat"] = result
-    print_progress(
-        f"remat {plan.method}: budget {plan.budget_bytes / 2**20:.1f} MiB, peak planned "
-        f"{plan.peak_bytes / 2**20:.1f} MiB, measured {result['measured_peak_bytes'] / 2**20:.1f}"
-        f" MiB (baseline {result['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
-        f"{result['planned_overhead']:.2f}x, measured {result['measured_overhead']:.2f}x; "
-        f"{plan.num_recomputes} recomputations; loss/gradients match: "
-        f"{result['loss_match'] and result['gradients_match']}")
-    return rewritten
-
-
 def _device_set(names):
     """The placer's devices: --device_memory x --memory_fraction each, links from
     --comm_cost_path, else --comm_cost_coeffs, else Baechi's GPU fit."""
@@ -169,60 +132,126 @@ def _device_set(names):
         raise app.UsageError(str(error)) from error
 
 
-def _place_and_run(item, report: dict, profile) -> dict:
-    """Place ``item`` on --num_devices devices, check it against one device, run it there and
-    report plan vs measurement (report["placement"]); returns the run's result. Without a
-    ``profile`` (--costgen or --cost_path) the placer's costs come from two traced steps."""
-    from contextlib import nullcontext
+def _budget() -> dict:
+    """--memory_budget / --memory_ratio as ``optimize`` keywords (checked here, so a typo is a
+    usage error before any work)."""
+    from remat.pipeline import PLANNERS, parse_bytes
 
-    from baechi.lp import LPSolverError
-    from baechi.place_and_run import place_and_check
-    from baechi.run import LocalCluster, local_target
-    from baechi.schedule import PlacementError
-    from profiler.trace import print_progress, profile_graph
+    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
+        raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")
+    if FLAGS.remat_heuristic not in PLANNERS:
+        raise app.UsageError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
+                             f"{', '.join(PLANNERS)}")
+    try:
+        budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
+    except ValueError as error:
+        raise app.UsageError(f"--memory_budget: {error}") from error
+    return {"memory_budget": budget, "memory_ratio": FLAGS.memory_ratio,
+            "remat_heuristic": FLAGS.remat_heuristic,
+            "remat_overhead_limit": FLAGS.remat_overhead_limit}
 
-    if profile is None:
-        profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
-    options = {key: FLAGS[flag].value for key, flag in (
+
+def _place_options() -> dict:
+    return {key: FLAGS[flag].value for key, flag in (
         ("method", "placement_method"), ("placer_type", "placer_type"), ("grouper", "grouper"),
         ("sct_threshold", "sct_threshold"), ("lp_solver", "lp_solver"))
         if FLAGS[flag].value is not None}
-    single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)
-    cluster = LocalCluster(FLAGS.num_devices) if FLAGS.cluster == "grpc" else nullcontext()
-    with cluster:
-        target = cluster.run_target if FLAGS.cluster == "grpc" else local_target(
-            FLAGS.num_devices)
-        devices = _device_set(list(target.devices))
+
+
+def _print_report(result) -> None:
+    """One line per pass: planned against measured."""
+    from profiler.trace import print_progress
+
+    report = result.report()
+    remat = report["remat"]
+    if remat["changed"]:
+        print_progress(
+            f"remat {remat['method']}: budget {remat['budget_bytes'] / 2**20:.1f} MiB, peak "
+            f"planned {remat['planned_peak_bytes'] / 2**20:.1f} MiB, measured "
+            f"{remat['measured_peak_bytes'] / 2**20:.1f} MiB (baseline "
+            f"{remat['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
+            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x; "
+            f"{remat['num_recomputes']} recomputations; loss/gradients match: "
+            f"{remat['loss_match'] and remat['gradients_match']}")
+    placement = result.placement
+    if placement is not None:
+        for name in placement["devices"]:
+            print_progress(
+                f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
+                f"{placement['planned_peak_bytes'][name] / 2**20:.1f} MiB, measured "
+                f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.1f} MiB, limit "
+                f"{placement['limit_bytes'][name] / 2**20:.1f} MiB")
+        print_progress(
+            f"placed on {len(placement['devices'])} devices ({placement['target']}) in "
+            f"{placement['plan']['placement_s']:.2f} s; makespan planned "
+            f"{placement['plan']['makespan_us'] / 1000:.2f} ms; loss/gradients equal to 1 "
+            f"device: {placement['equal_to_single_device']}")
+
+
+def _profile(item, report: dict):
+    """The step's measured costs: --costgen profiles and saves them; --cost_path alone loads
+    them for the placer. ``None`` otherwise (the passes profile what they need)."""
+    from profiler.profile import Profile
+    from profiler.trace import print_progress, profile_graph
+
+    if FLAGS.costgen:
+        profile = profile_graph(item, steps=max(2, FLAGS.steps), warmup=FLAGS.warmup_steps,
+                                trace_every=FLAGS.trace_every,
+                                num_cpu_devices=FLAGS.num_devices)
+        profile.save(FLAGS.cost_path)
+        print_progress(f"profile: {profile.coverage:.1%} of {profile.num_graph_ops} step ops "
+                       f"measured, peak {profile.peak_bytes / 2**20:.1f} MiB -> {FLAGS.cost_path}")
+        report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
+                             "profiled_peak_bytes": profile.peak_bytes}
+        return profile
+    if FLAGS["cost_path"].present and FLAGS.num_devices > 1:
         try:
-            placed, placement = place_and_check(item, target, devices, profile, **options)
+            return Profile.load(FLAGS.cost_path, item.graph_def())
+        except (OSError, ValueError) as error:
+            raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
+    return None
+
+
+def _optimize_and_run(item, profile, report: dict) -> dict:
+    """``baechi.optimize`` with the flags' passes, then the measured run of its result."""
+    from contextlib import nullcontext
+
+    from baechi import optimize
+    from baechi.lp import LPSolverError
+    from baechi.run import LocalCluster, local_target
+    from baechi.schedule import PlacementError
+    from remat.pipeline import BudgetError
+
+    budget = _budget()
+    placing = FLAGS.num_devices > 1
+    grpc = placing and FLAGS.cluster == "grpc"
+    with LocalCluster(FLAGS.num_devices) if grpc else nullcontext() as cluster:
+        target = cluster.run_target if grpc else local_target(FLAGS.num_devices)
+        try:
+            result = optimize(item, **budget, target=target,
+                              devices=_device_set(list(target.devices)) if placing else None,
+                              profile=profile, place_options=_place_options())
+        except BudgetError as error:
+            raise app.UsageError(str(error)) from error
         except (PlacementError, LPSolverError) as error:
             raise SystemExit(f"placement failed: {error}") from error
-        result = run_steps(placed, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
-                           target.target)
-    result["peak_bytes"] = max(placement["measured_peak_bytes"].values())
-    placement["single_device_step_time_ms_median"] = single["step_time_ms_median"]
-    report["placement"] = placement
-    for name in devices.names:
-        print_progress(
-            f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
-            f"{placement['planned_peak_bytes'][name] / 2**20:.1f} MiB, measured "
-            f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.1f} MiB, limit "
-            f"{placement['limit_bytes'][name] / 2**20:.1f} MiB")
-    print_progress(
-        f"placed on {len(devices.names)} devices ({target.kind}) in "
-        f"{placement['plan']['placement_s']:.2f} s; makespan planned "
-        f"{placement['plan']['makespan_us'] / 1000:.2f} ms, step measured "
-        f"{result['step_time_ms_median']:.2f} ms (1 device: "
-        f"{single['step_time_ms_median']:.2f} ms); loss/gradients equal to 1 device: "
-        f"{placement['equal_to_single_device']}")
-    return result
+        report.update(result.report())
+        _print_report(result)
+        if placing:
+            report["place"]["single_device_step_time_ms_median"] = run_steps(
+                item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
+        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
+                        target.target)
+    if placing:  # the shared allocator cannot tell devices apart: report the worst device
+        run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
+    return run
 
 
 def main(argv):
     del argv
     import models
     from profiler.profile import atomic_write_json
-    from profiler.trace import print_progress, profile_graph
+    from profiler.trace import print_progress
 
     try:
         item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
@@ -233,30 +262,8 @@ def main(argv):
     print_progress(f"built {item.name}: {num_ops} ops, config {item.config}")
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
               "graph_ops": num_ops, "num_devices": FLAGS.num_devices}
-    profile = None
-    if FLAGS["cost_path"].present and not FLAGS.costgen and FLAGS.num_devices > 1:
-        from profiler.profile import Profile
-        try:
-            profile = Profile.load(FLAGS.cost_path, item.graph_def())  # the placer's costs
-        except (OSError, ValueError) as error:
-            raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
-    if FLAGS.costgen:
-        profile = profile_graph(item, steps=max(2, FLAGS.steps), warmup=FLAGS.warmup_steps,
-                                trace_every=FLAGS.trace_every,
-                                num_cpu_devices=FLAGS.num_devices)
-        profile.save(FLAGS.cost_path)
-        print_progress(f"profile: {profile.coverage:.1%} of {profile.num_graph_ops} step ops "
-                       f"measured, peak {profile.peak_bytes / 2**20:.1f} MiB -> {FLAGS.cost_path}")
-        report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
-                             "profiled_peak_bytes": profile.peak_bytes}
-    if FLAGS.memory_budget is not None or FLAGS.memory_ratio is not None:
-        item = _rematerialize(item, report)
-        profile = None  # measured on the graph before rematerialization
-    if FLAGS.num_devices > 1:
-        result = _place_and_run(item, report, profile)
-    else:
-        result = run_steps(item, FLAGS.steps, FLAGS.warmup_steps, FLAGS.num_devices)
-    report["run"] = result
+    profile = _profile(item, report)
+    result = report["run"] = _optimize_and_run(item, profile, report)
     atomic_write_json(FLAGS.report_path, report)
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
           f"{FLAGS.steps}), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "

@@ -1,0 +1,170 @@
+"""The pipeline entry point: ``baechi.optimize(item, ...)`` runs every pass over one step.
+
+Like Grappler's meta optimizer, a list of named, independent passes transforms one
+``GraphItem``; each can be skipped, says whether it changed anything, and checks what it
+promises:
+
+- ``remat``: fit a memory budget (``remat.rematerialize``: profile, DTR plan, rewrite).
+  Requires a budget; ensures the plan's predicted peak is within it and, when verifying, that
+  the rewritten step computes the same loss and gradients and how its measured peak compares.
+- ``place``: place the step on the target's devices (``baechi.place_and_run``: group, fuse,
+  m-TOPO / m-ETF / m-SCT under each device's limit, apply). Requires more than one device;
+  ensures every op is placed within its device's memory and, when verifying, that the placed
+  step equals the single-device step and stays under each limit when measured.
+
+The result carries the final item, the plan, the placement report and one record per pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from baechi.devices import DeviceSet
+from baechi.place_and_run import place_and_check, place_item
+from baechi.run import RunTarget
+from models.graph_item import GraphItem
+from profiler.profile import Profile
+from profiler.trace import print_progress, profile_graph
+from remat.plan import RematPlan
+
+__all__ = ["PASSES", "OptimizeResult", "PassRecord", "optimize"]
+
+PASSES = ("remat", "place")
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """What one pass did: whether it ran and changed the step, how long it took, its report."""
+
+    name: str
+    changed: bool
+    seconds: float
+    details: dict[str, Any]
+
+
+@dataclasses.dataclass
+class OptimizeResult:
+    """The optimized step and what each pass reported."""
+
+    item: GraphItem
+    plan: RematPlan | None
+    placement: dict[str, Any] | None
+    passes: list[PassRecord]
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready: one entry per pass."""
+        return {p.name: {"changed": p.changed, "seconds": round(p.seconds, 3), **p.details}
+                for p in self.passes}
+
+
+def _remat_pass(item: GraphItem, budget_bytes: int | None, budget_ratio: float | None,
+                heuristic: str, overhead_limit: float, verify: bool, num_cpu_devices: int
+                ) -> tuple[GraphItem, RematPlan, dict]:
+    from remat.measure import measure_rewrite, measure_step
+    from remat.pipeline import rematerialize
+
+    baseline = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
+    rewritten, plan = rematerialize(item, baseline.profile, budget_bytes=budget_bytes,
+                                    budget_ratio=budget_ratio, heuristic=heuristic,
+                                    overhead_limit=overhead_limit)
+    if plan.peak_bytes > plan.budget_bytes:
+        raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
+                             f"exceeds the budget {plan.budget_bytes:,}")
+    details = (measure_rewrite(item, rewritten, plan, baseline=baseline) if verify else
+               {"method": plan.method, "budget_bytes": plan.budget_bytes,
+                "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
+                "num_recomputes": plan.num_recomputes})
+    return rewritten, plan, details
+
+
+def optimize(item: GraphItem, *,
+             memory_budget: int | None = None, memory_ratio: float | None = None,
+             remat_heuristic: str = "dtr", remat_overhead_limit: float = 2.0,
+             target: RunTarget | None = None, devices: DeviceSet | None = None,
+             profile: Profile | None = None, place_options: dict[str, Any] | None = None,
+             verify: bool = True, skip: Iterable[str] = (),
+             progress: Callable[[str], None] | None = print_progress) -> OptimizeResult:
+    """Rematerialize ``item`` to a memory budget, then place it on several devices.
+
+    Parameters:
+        item: the training step (``models.build``, or ``profiler.tf_function`` for Keras).
+        memory_budget: bytes the step may use at its peak (resident variables and feeds
+            included); or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
+        remat_heuristic: a planner of ``remat.pipeline.PLANNERS``.
+        remat_overhead_limit: compute multiple beyond which DTR gives up (thrash).
+        target: where the placed step runs (``baechi.run.local_target(n)`` or a
+            ``LocalCluster``'s ``run_target``); ``None`` or one device: no placement.
+        devices: the placer's devices (names must be the target's), limits and link costs.
+        profile: measured costs of ``item`` for the placer (else two traced steps of the step
+            to place are run; a profile never outlives the remat rewrite, which changes the
+            graph).
+        place_options: passed to ``baechi.place.place`` (method, placer_type, grouper, ...).
+        verify: run the checks that compare plans with real TF runs (slower).
+        skip: pass names (``PASSES``) not to run.
+        progress: called with a line per pass; ``None`` for silence.
+
+    Returns:
+        An ``OptimizeResult``: the final item, the remat plan, the placement report, and one
+        ``PassRecord`` per pass (skipped passes record why).
+
+    Raises:
+        ValueError: an unknown pass name, both budgets given, or devices not matching target.
+        remat.pipeline.BudgetError: no plan fits the budget (names the minimum).
+        baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
+            missing).
+        baechi.run.StepMismatchError: a placed step computes different values.
+
+    Examples:
+        >>> import models                                            # doctest: +SKIP
+        >>> from baechi.run import local_target                      # doctest: +SKIP
+        >>> result = optimize(models.build("resnet", preset="activations"),
+        ...                   memory_ratio=0.5, target=local_target(2))  # doctest: +SKIP
+        >>> result.report()["remat"]["measured_peak_bytes"]          # doctest: +SKIP
+    """
+    skip = set(skip)
+    unknown = skip - set(PASSES)
+    if unknown:
+        raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes are {list(PASSES)}")
+    if memory_budget is not None and memory_ratio is not None:
+        raise ValueError("give one of memory_budget and memory_ratio, not both")
+    say = progress or (lambda _: None)
+    records, plan, placement = [], None, None
+    num_cpu_devices = target.num_cpu_devices if target is not None else 1
+
+    begin = time.perf_counter()
+    if "remat" in skip or (memory_budget is None and memory_ratio is None):
+        records.append(PassRecord("remat", False, 0.0, {"skipped": "no memory budget"
+                                                        if "remat" not in skip else "skip"}))
+    else:
+        say(f"remat: planning with {remat_heuristic}")
+        item, plan, details = _remat_pass(item, memory_budget, memory_ratio, remat_heuristic,
+                                          remat_overhead_limit, verify, num_cpu_devices)
+        profile = None
+        records.append(PassRecord("remat", plan.num_recomputes > 0,
+                                  time.perf_counter() - begin, details))
+        say(f"remat: {plan.num_recomputes} recomputations, planned peak "
+            f"{plan.peak_bytes / 2**20:.1f} MiB (budget {plan.budget_bytes / 2**20:.1f} MiB), "
+            f"planned overhead {plan.overhead:.2f}x")
+
+    begin = time.perf_counter()
+    if "place" in skip or target is None or len(target.devices) < 2:
+        records.append(PassRecord("place", False, 0.0, {"skipped": "one device"
+                                                        if "place" not in skip else "skip"}))
+    else:
+        if devices is None:
+            raise ValueError("placing needs a DeviceSet (memory limits and link costs)")
+        say(f"place: {len(target.devices)} devices ({target.kind})")
+        if profile is None:
+            profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
+        options = place_options or {}
+        if verify:
+            item, placement = place_and_check(item, target, devices, profile, **options)
+        else:
+            item, placed = place_item(item, devices, profile, **options)
+            placement = {"plan": placed.summary()}
+        records.append(PassRecord("place", True, time.perf_counter() - begin, placement))
+        say(f"place: planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms")
+    return OptimizeResult(item, plan, placement, records)
