@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The main job: resnet-20's step (50 MiB at its peak) rematerialized to half its peak, then
+# placed on two devices of 16 MiB each. Override with e.g. `make train ARGS="--model_name=mlp"`.
+ARGS ?= --memory_ratio=0.5 --num_devices=2 --device_memory=16MiB
 train: $(STAMP)
 	$(PY) -m tools.train $(ARGS)
 

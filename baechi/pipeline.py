@@ -115,7 +115,7 @@ def optimize(item: GraphItem, *,
         remat.pipeline.BudgetError: no plan fits the budget (names the minimum).
         baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
             missing).
-        baechi.run.StepMismatchError: a placed step computes different values.
+        profiler.step_compare.StepMismatchError: a placed step computes different values.
 
     Examples:
         >>> import models                                            # doctest: +SKIP

@@ -16,9 +16,10 @@ from typing import Any
 from baechi.apply import apply_placement
 from baechi.devices import DeviceSet
 from baechi.place import Placement, place
-from baechi.run import RunTarget, compare_step, measure_placed_run
+from baechi.run import PLACEMENT_RTOL, RunTarget, measure_placed_run
 from models.graph_item import GraphItem
 from profiler.profile import Profile
+from profiler.step_compare import compare_steps
 from profiler.tf_import import cost_graph_from_graph
 from profiler.trace import step_fetches
 
@@ -70,14 +71,14 @@ def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,
 
     Raises:
         ValueError: ``devices`` and ``run_target`` name different devices.
-        baechi.run.StepMismatchError: the placed step's loss or gradients differ.
+        profiler.step_compare.StepMismatchError: the placed step's loss or gradients differ.
         baechi.run.DeviceMismatchError: the run's devices do not line up with the placement.
     """
     if list(devices.names) != list(run_target.devices):
         raise ValueError(f"the device set {devices.names} is not the run target's devices "
                          f"{list(run_target.devices)}")
     placed, placement = place_item(item, devices, profile, **place_options)
-    comparison = compare_step(item, placed, run_target)
+    comparison = compare_steps(item, placed, run_target.session, rtol=PLACEMENT_RTOL)
     comparison.check()
     limits = {name: int(limit) for name, limit in zip(devices.names, devices.memory_bytes)}
     measured = measure_placed_run(placed, run_target, limits, steps=1, warmup=1, trace_every=1)
@@ -90,7 +91,7 @@ def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,
         "limit_bytes": limits,
         "measured_peak_bytes": measured.peak_bytes,
         "over_limit_bytes": measured.over_limit_bytes,
-        "loss_single_device": comparison.loss_reference, "loss_placed": comparison.loss_placed,
+        "loss_single_device": comparison.loss_reference, "loss_placed": comparison.loss_candidate,
         "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
         "equal_to_single_device": comparison.equal,
     }

@@ -12,10 +12,8 @@ Where a placed graph runs (DESIGN.md §6):
 
 Checks:
 
-- ``compare_step``: one step of the placed graph against one step of the original on a
-  single device, from identical initial variables (the initialisers' values of the reference
-  run are fed into the placed run's initialisers), loss and gradients compared with
-  ``numpy.allclose``.
+- one step of the placed graph (in ``RunTarget.session``) against one step of the original on a
+  single device: ``profiler.step_compare.compare_steps`` with ``rtol=PLACEMENT_RTOL``.
 - ``measure_placed_run``: step time and per-device peak memory replayed from the step stats'
   allocation records (``profiler.trace.profile_graph``), matched to the placement's device names
   and compared with each device's limit. On virtual CPU devices the records are attributed to the
@@ -39,7 +37,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-import numpy as np
 import tensorflow as tf
 
 from baechi.devices import default_device_names
@@ -49,10 +46,12 @@ from profiler.tf_import import step_operations
 from profiler.trace import profile_graph, step_fetches
 
 __all__ = ["ClusterError", "DeviceMismatchError", "LocalCluster", "MemoryLimitError",
-           "PlacedRun", "RunTarget", "StepComparison", "StepMismatchError", "compare_step",
-           "local_target", "measure_placed_run"]
+           "PLACEMENT_RTOL", "PlacedRun", "RunTarget", "local_target", "measure_placed_run"]
 
 WORKER_JOB = "worker"
+# Relative tolerance of a placed step against the single-device step: devices may sum in
+# another order.
+PLACEMENT_RTOL = 1e-4
 
 
 class ClusterError(RuntimeError):
@@ -61,10 +60,6 @@ class ClusterError(RuntimeError):
 
 class DeviceMismatchError(RuntimeError):
     """The devices a run reports do not line up with the placement's device names."""
-
-
-class StepMismatchError(AssertionError):
-    """The placed step's loss or gradients differ from the single-device step."""
 
 
 class MemoryLimitError(RuntimeError):
@@ -239,91 +234,6 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _initial_value_tensors(item: GraphItem) -> list[str]:
-    """The tensors the initialiser writes into variables (the value input of each assign)."""
-    init = item.graph.get_operation_by_name(item.init_op)
-    stack, seen, values = [init], {init.name}, []
-    while stack:
-        op = stack.pop()
-        if op.type in ("AssignVariableOp", "Assign"):
-            values.append(op.inputs[1].name)
-        for producer in [t.op for t in op.inputs] + list(op.control_inputs):
-            if producer.name not in seen:
-                seen.add(producer.name)
-                stack.append(producer)
-    return sorted(values)
-
-
-def _one_step(item: GraphItem, session: tf.compat.v1.Session,
-              initial_values: Mapping[str, np.ndarray] | None
-              ) -> tuple[dict[str, np.ndarray], float, list[np.ndarray]]:
-    """Initialise (with ``initial_values`` fed, if given) and run one step: (initial values,
-    loss, gradients)."""
-    names = _initial_value_tensors(item)
-    feeds = {item.graph.get_tensor_by_name(n): v for n, v in (initial_values or {}).items()}
-    values = session.run([item.init_op, names], feeds)[1]
-    outputs = session.run(step_fetches(item), item.feed_dict())
-    return dict(zip(names, values)), float(outputs[1]), list(outputs[2:])
-
-
-@dataclasses.dataclass
-class StepComparison:
-    """One step of a placed graph against the single-device step.
-
-    Attributes:
-        loss_reference / loss_placed: the two losses.
-        max_abs_gradient_diff: largest elementwise |difference| over all gradients.
-        max_abs_gradient: largest |gradient| of the reference, for scale.
-        equal: loss and every gradient ``numpy.allclose(rtol, atol)``.
-    """
-
-    loss_reference: float
-    loss_placed: float
-    max_abs_gradient_diff: float
-    max_abs_gradient: float
-    equal: bool
-    rtol: float
-    atol: float
-
-    def check(self) -> None:
-        """Raise ``StepMismatchError`` unless the steps are equal."""
-        if not self.equal:
-            raise StepMismatchError(
-                f"placed step differs from the single-device step: loss {self.loss_placed!r} "
-                f"vs {self.loss_reference!r}, max |gradient difference| "
-                f"{self.max_abs_gradient_diff:.3g} (max |gradient| {self.max_abs_gradient:.3g}, "
-                f"rtol {self.rtol}, atol {self.atol})")
-
-
-def compare_step(reference: GraphItem, placed: GraphItem, run_target: RunTarget,
-                 rtol: float = 1e-4, atol: float = 1e-6) -> StepComparison:
-    """Run one step of ``reference`` on one device and of ``placed`` on ``run_target`` from
-    the same initial variables, and compare loss and gradients.
-
-    Parameters:
-        reference: the unplaced step.
-        placed: the same step with devices (``baechi.apply.apply_placement``).
-        run_target: where ``placed`` runs.
-        rtol, atol: tolerances of ``numpy.allclose`` (devices may sum in another order).
-
-    Returns:
-        The comparison; ``.check()`` raises if it failed.
-    """
-    with tf.compat.v1.Session(graph=reference.graph, config=session_config(1)) as session:
-        initial, loss_ref, grads_ref = _one_step(reference, session, None)
-    with run_target.session(placed.graph) as session:
-        _, loss_placed, grads_placed = _one_step(placed, session, initial)
-    equal = bool(np.allclose(loss_placed, loss_ref, rtol=rtol, atol=atol)) and all(
-        np.allclose(p, r, rtol=rtol, atol=atol) for p, r in zip(grads_placed, grads_ref))
-    return StepComparison(
-        loss_reference=loss_ref, loss_placed=loss_placed,
-        max_abs_gradient_diff=max((float(np.max(np.abs(p - r), initial=0.0))
-                                   for p, r in zip(grads_placed, grads_ref)), default=0.0),
-        max_abs_gradient=max((float(np.max(np.abs(r), initial=0.0)) for r in grads_ref),
-                             default=0.0),
-        equal=equal, rtol=rtol, atol=atol)
 
 
 @dataclasses.dataclass

@@ -11,7 +11,8 @@ the rewritten training step under the project's one session configuration and re
   original's, the two run alternately in two open sessions so that both see the same load
   (this machine is shared and noisy);
 - whether one step from identical initial variables gives the same loss and gradients
-  (``np.allclose``): a rewrite must change when things are computed, never what.
+  (``profiler.step_compare.compare_steps``): a rewrite must change when things are computed,
+  never what.
 
 Peaks are of the training step as ``tools.train`` runs it: the update and the loss are fetched,
 the gradients are not (``remat.tf_memory.step_item``).
@@ -24,18 +25,17 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from models.graph_item import GraphItem
 from profiler.profile import Profile
 from profiler.session import make_session
+from profiler.step_compare import compare_steps
 from profiler.trace import profile_graph
 from remat.plan import RematPlan
 from remat.tf_memory import step_item
 
-__all__ = ["StepMeasurement", "measure_step", "compare_outputs", "paired_overhead",
-           "measure_rewrite"]
+__all__ = ["StepMeasurement", "measure_step", "paired_overhead", "measure_rewrite"]
 
 
 @dataclasses.dataclass
@@ -70,30 +70,6 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1,
     times = profile.step_time_us or [float("nan")]
     return StepMeasurement(peak_bytes=profile.peak_bytes, allocator_peak_bytes=int(allocator_peak),
                            step_time_us=statistics.median(times), profile=profile)
-
-
-def _first_step_outputs(item: GraphItem) -> list[np.ndarray]:
-    with make_session(item.graph) as session:
-        session.run(item.init_op)
-        return session.run([item.loss, *item.gradients], item.feed_dict())
-
-
-def compare_outputs(original: GraphItem, rewritten: GraphItem, rtol: float = 1e-5,
-                    atol: float = 1e-6) -> dict[str, Any]:
-    """Loss and gradients of one step from the same initial variables, on both graphs.
-
-    Initialisers and random ops carry their seeds in their attributes, which the rewrite
-    copies, so both graphs start from identical variables and draw identical numbers.
-
-    Returns:
-        ``{"loss_match", "gradients_match", "max_abs_diff", "loss"}``.
-    """
-    expected, actual = _first_step_outputs(original), _first_step_outputs(rewritten)
-    close = [np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(expected, actual)]
-    diff = max((float(np.max(np.abs(a - b))) if np.size(a) else 0.0)
-               for a, b in zip(expected, actual))
-    return {"loss_match": bool(close[0]), "gradients_match": bool(all(close[1:])),
-            "max_abs_diff": diff, "loss": float(expected[0])}
 
 
 def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
@@ -135,10 +111,12 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         A JSON-ready report: budget, planned / measured (records and allocator) peaks of both
         graphs, ``peak_ratio`` (measured / baseline, records), ``prediction_error`` (measured /
         planned - 1), planned and measured (``paired_overhead``) overhead, step times of the
-        separate measurements, loss / gradient match.
+        separate measurements, loss / gradient match (``compare_steps``: ``loss_match``,
+        ``gradients_match``, ``max_abs_gradient_diff``, ``loss``).
     """
     baseline = baseline or measure_step(original, steps, warmup)
     measured = measure_step(rewritten, steps, warmup)
+    comparison = compare_steps(original, rewritten)
     return {
         "method": plan.method,
         "budget_bytes": int(plan.budget_bytes),
@@ -157,5 +135,8 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         "baseline_step_time_us": baseline.step_time_us,
         "step_time_us": measured.step_time_us,
         "num_recomputes": plan.num_recomputes,
-        **compare_outputs(original, rewritten),
+        "loss_match": comparison.loss_equal,
+        "gradients_match": comparison.gradients_equal,
+        "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
+        "loss": comparison.loss_reference,
     }

@@ -13,10 +13,11 @@ import numpy as np
 from models.graph_item import GraphItem
 from profiler.cost_graph import CostGraph
 from profiler.profile import Profile
+# tools.train reads --memory_budget with it from here; the definition is profiler.sizes'.
 from remat.plan import RematPlan
 
 __all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "plan_for_budget", "rematerialize",
-           "resident_outputs", "parse_bytes"]
+           "resident_outputs"]
 
 BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
 
@@ -28,9 +29,6 @@ def _simulated_planners() -> tuple[str, ...]:
 
 PLANNERS = _simulated_planners() + BASELINE_PLANNERS
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}
-
 
 class BudgetError(ValueError):
     """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
@@ -39,22 +37,6 @@ class BudgetError(ValueError):
     def __init__(self, message: str, budget_bytes: int, minimum_bytes: int):
         super().__init__(message)
         self.budget_bytes, self.minimum_bytes = int(budget_bytes), int(minimum_bytes)
-
-
-def parse_bytes(text: str) -> int:
-    """``"1.5GiB"`` -> 1610612736; plain numbers are bytes; units B, KB/MB/GB, KiB/MiB/GiB.
-
-    Raises:
-        ValueError: not a number with an optional unit.
-    """
-    number = text.strip().rstrip("bBiIkKmMgG")
-    unit = text.strip()[len(number):].lower()
-    if unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: use bytes or a unit of {sorted(_UNITS)}")
-    try:
-        return int(float(number) * _UNITS[unit])
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size: use e.g. 300MiB or 1.5GiB") from None
 
 
 def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int]:

@@ -1,27 +1,14 @@
-"""Device sets: size and coefficient parsing, the communication JSON, device names."""
+"""Device sets: coefficient parsing, the communication JSON, device names."""
 
 import json
 
 import pytest
 
 from baechi.devices import (Device, DeviceError, DeviceSet, LinkCost, default_device_names,
-                            parse_bytes, parse_comm_coeffs)
+                            parse_comm_coeffs)
 
 NAMES = ["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0",
          "/job:worker/task:2/device:CPU:0"]
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096),
-    ("10 KiB", 10240), ("3kb", 3000), (123, 123), ("0.5GiB", 1 << 29)])
-def test_parse_bytes(text, expected):
-    assert parse_bytes(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "2 parsecs", "-1GiB", "GiB", "1.2.3MB"])
-def test_parse_bytes_rejects(text):
-    with pytest.raises(DeviceError, match="memory size"):
-        parse_bytes(text)
 
 
 def test_parse_comm_coeffs_allows_fractions_and_exponents():

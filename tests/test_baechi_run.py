@@ -16,9 +16,10 @@ from baechi.apply import ColocationError, apply_placement, enforced_colocation_g
 from baechi.devices import DeviceSet
 from baechi.place import place
 from baechi.place_and_run import place_and_check
-from baechi.run import (LocalCluster, MemoryLimitError, compare_step, local_target,
+from baechi.run import (PLACEMENT_RTOL, LocalCluster, MemoryLimitError, local_target,
                         measure_placed_run)
 from baechi.schedule import PlacementError
+from profiler.step_compare import compare_steps
 from profiler.tf_import import cost_graph_from_graph, step_operations
 from profiler.trace import step_fetches
 
@@ -60,7 +61,7 @@ def test_placed_step_equals_single_device_on_4_virtual_cpus(model_name, options)
     placed = apply_placement(item, op_devices)
     for op in placed.graph.get_operations():
         assert op.device in target.devices, op.name
-    comparison = compare_step(item, placed, target)
+    comparison = compare_steps(item, placed, target.session, rtol=PLACEMENT_RTOL)
     comparison.check()
     assert comparison.max_abs_gradient > 0
     run = measure_placed_run(placed, target, {d: LIMIT_BYTES for d in target.devices},
@@ -158,7 +159,7 @@ def test_two_grpc_workers_run_tiny_mlp():
         target = cluster.run_target
         op_devices = _placer_devices(item, target.devices, method="m_sct")
         placed = apply_placement(item, op_devices)
-        compare_step(item, placed, target).check()
+        compare_steps(item, placed, target.session, rtol=PLACEMENT_RTOL).check()
         run = measure_placed_run(placed, target, steps=2, warmup=1, trace_every=2)
         pids = cluster.worker_pids
     assert set(run.peak_bytes) == set(op_devices.values())

@@ -63,7 +63,7 @@ def unfold(command: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _budget_bytes(run: dict[str, Any], baseline_peak_bytes: int) -> int:
-    from remat.pipeline import parse_bytes
+    from profiler.sizes import parse_bytes
 
     kind = run.get("kind", "ratio")
     if kind == "ratio":

@@ -119,7 +119,8 @@ def _device_set(names):
     --comm_cost_path, else --comm_cost_coeffs, else Baechi's GPU fit."""
     import os
 
-    from baechi.devices import DeviceError, DeviceSet, parse_bytes
+    from baechi.devices import DeviceSet
+    from profiler.sizes import parse_bytes
 
     try:
         memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
@@ -128,14 +129,15 @@ def _device_set(names):
         if FLAGS.comm_cost_path is not None:
             return DeviceSet.from_json(names, memory, FLAGS.comm_cost_path)
         return DeviceSet.uniform(names, memory, FLAGS.comm_cost_coeffs or "0.0001754,134")
-    except (DeviceError, OSError) as error:
+    except (ValueError, OSError) as error:  # DeviceError, SizeError
         raise app.UsageError(str(error)) from error
 
 
 def _budget() -> dict:
     """--memory_budget / --memory_ratio as ``optimize`` keywords (checked here, so a typo is a
     usage error before any work)."""
-    from remat.pipeline import PLANNERS, parse_bytes
+    from profiler.sizes import parse_bytes
+    from remat.pipeline import PLANNERS
 
     if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
         raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")

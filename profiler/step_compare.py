@@ -1,0 +1,133 @@
+"""One training step of two graphs from identical initial variables: same loss and gradients?
+
+A graph pass must change where or when ops run, never what they compute: a rematerialization
+rewrite (``remat.rewrite``) and a placement (``baechi.apply``) are both checked by running one step
+of the original graph and one of the transformed graph and comparing the loss and every gradient
+with ``numpy.allclose``.
+
+Both steps start from the same variables whatever their initialisers would draw: the reference's
+initialisers run first, the values they assign are fetched, and those values are fed into the
+candidate's initialisers (the tensors of the same names). So the check does not depend on random
+ops keeping their seeds through a transformation. The reference runs in a one-device session with
+the project's configuration (``profiler.session``); the candidate runs in a session the caller
+chooses (several devices, a gRPC target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from models.graph_item import GraphItem
+from profiler.session import make_session
+from profiler.trace import step_fetches
+
+__all__ = ["StepComparison", "StepMismatchError", "compare_steps"]
+
+
+class StepMismatchError(AssertionError):
+    """The candidate step's loss or gradients differ from the reference step's."""
+
+
+@dataclasses.dataclass
+class StepComparison:
+    """One step of a candidate graph against one step of the reference graph.
+
+    Attributes:
+        loss_reference / loss_candidate: the two losses.
+        loss_equal: the losses are ``numpy.allclose(rtol, atol)``.
+        gradients_equal: every gradient is ``numpy.allclose(rtol, atol)`` to the reference's.
+        max_abs_gradient_diff: largest elementwise |difference| over all gradients.
+        max_abs_gradient: largest |gradient| of the reference, for scale.
+        rtol, atol: the tolerances used.
+    """
+
+    loss_reference: float
+    loss_candidate: float
+    loss_equal: bool
+    gradients_equal: bool
+    max_abs_gradient_diff: float
+    max_abs_gradient: float
+    rtol: float
+    atol: float
+
+    @property
+    def equal(self) -> bool:
+        """Loss and every gradient are equal within the tolerances."""
+        return self.loss_equal and self.gradients_equal
+
+    def check(self) -> None:
+        """Raise ``StepMismatchError`` unless the steps are equal."""
+        if not self.equal:
+            raise StepMismatchError(
+                f"the step differs from the reference step: loss {self.loss_candidate!r} vs "
+                f"{self.loss_reference!r}, max |gradient difference| "
+                f"{self.max_abs_gradient_diff:.3g} (max |gradient| {self.max_abs_gradient:.3g}, "
+                f"rtol {self.rtol}, atol {self.atol})")
+
+
+def _initial_value_tensors(item: GraphItem) -> list[str]:
+    """The tensors the initialiser writes into variables (the value input of each assign)."""
+    init = item.graph.get_operation_by_name(item.init_op)
+    stack, seen, values = [init], {init.name}, []
+    while stack:
+        op = stack.pop()
+        if op.type in ("AssignVariableOp", "Assign"):
+            values.append(op.inputs[1].name)
+        for producer in [t.op for t in op.inputs] + list(op.control_inputs):
+            if producer.name not in seen:
+                seen.add(producer.name)
+                stack.append(producer)
+    return sorted(values)
+
+
+def _one_step(item: GraphItem, session: tf.compat.v1.Session,
+              initial_values: Mapping[str, np.ndarray] | None
+              ) -> tuple[dict[str, np.ndarray], float, list[np.ndarray]]:
+    """Initialise (with ``initial_values`` fed, if given) and run one step: (initial values,
+    loss, gradients)."""
+    names = _initial_value_tensors(item)
+    feeds = {item.graph.get_tensor_by_name(n): v for n, v in (initial_values or {}).items()}
+    values = session.run([item.init_op, names], feeds)[1]
+    outputs = session.run(step_fetches(item), item.feed_dict())
+    return dict(zip(names, values)), float(outputs[1]), list(outputs[2:])
+
+
+def compare_steps(reference: GraphItem, candidate: GraphItem,
+                  candidate_session: Callable[[tf.Graph], tf.compat.v1.Session] = make_session,
+                  rtol: float = 1e-5, atol: float = 1e-6) -> StepComparison:
+    """Run one step of ``reference`` on one device and one of ``candidate`` in
+    ``candidate_session`` from the same initial variables, and compare loss and gradients.
+
+    Parameters:
+        reference: the untransformed step.
+        candidate: the transformed step; its initialisers and step fetches keep the reference's
+            names (as ``GraphItem.with_graph`` requires).
+        candidate_session: graph -> a session to run ``candidate`` in, e.g.
+            ``baechi.run.RunTarget.session`` for several devices or a gRPC cluster; by default
+            one device (``profiler.session.make_session``).
+        rtol, atol: tolerances of ``numpy.allclose`` (devices may sum in another order).
+
+    Returns:
+        The comparison; ``.check()`` raises ``StepMismatchError`` if it failed.
+
+    Raises:
+        KeyError: ``candidate`` lacks a tensor the reference's initialisers assign from.
+    """
+    with make_session(reference.graph) as session:
+        initial, loss_reference, gradients_reference = _one_step(reference, session, None)
+    with candidate_session(candidate.graph) as session:
+        _, loss_candidate, gradients_candidate = _one_step(candidate, session, initial)
+    pairs = list(zip(gradients_candidate, gradients_reference))
+    return StepComparison(
+        loss_reference=loss_reference, loss_candidate=loss_candidate,
+        loss_equal=bool(np.allclose(loss_candidate, loss_reference, rtol=rtol, atol=atol)),
+        gradients_equal=all(bool(np.allclose(c, r, rtol=rtol, atol=atol)) for c, r in pairs),
+        max_abs_gradient_diff=max((float(np.max(np.abs(c - r), initial=0.0)) for c, r in pairs),
+                                  default=0.0),
+        max_abs_gradient=max((float(np.max(np.abs(r), initial=0.0))
+                              for r in gradients_reference), default=0.0),
+        rtol=rtol, atol=atol)
