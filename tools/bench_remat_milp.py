@@ -1,0 +1,220 @@
+"""Benchmark: rematerialization heuristics against the optimal MILP, on graphs it can solve.
+
+For each graph and each budget ratio (of the checkpoint-all peak) it plans with Checkmate's
+MILP (``remat.checkmate``; HiGHS with a time limit: the optimum, or the best schedule found and
+HiGHS's lower bound; at most ``MILP_MAX_STAGES`` stages, so on the larger graphs the optimum is
+that of a coarsened model and the bound is a bound of that model), Chen et al.'s √n and greedy
+segment checkpointing (``remat.baselines``), and the DTR simulator with ``dtr`` and the
+``offline`` planner (``remat.simulator``: the best of a portfolio of eviction scores, ``belady``
+reading the known future among them).
+Every plan is replayed by ``remat.validate``; overhead = compute with recomputation / without.
+
+Graphs:
+- ``mlp``: ``models.build("mlp", preset="tiny", batch_size=1024, depth=6, width=256)``,
+- ``resnet``: ``models.build("resnet", preset="tiny", batch_size=32)`` (depth 8),
+  both profiled for real (``profiler.trace.profile_graph``: measured compute times) and
+  calibrated to TF's allocations (``remat.tf_memory.tf_memory_model``: planning graph of
+  buffer-forwarding chains, aliases free, feeds and constants resident): the graph the
+  pipeline plans on;
+- ``training_like_N``: ``profiler.synthetic.training_like(N)`` with the batch scaled ×32
+  (activation bytes and compute ×32, weights unchanged), so that activations, not weights,
+  dominate the peak as in real training.
+
+Writes ``bench/results/remat_milp.json``, ``remat_milp.png`` and ``remat_milp.txt``.
+
+    python -m tools.bench_remat_milp [time_limit_s]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from profiler.cost_graph import CostGraph
+from profiler.profile import atomic_write_json
+from profiler.synthetic import training_like
+from remat import baselines, checkmate, simulator
+from remat.pipeline import resident_outputs
+from remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
+
+__all__ = ["main", "activation_heavy", "planners_at"]
+
+RESULTS = "bench/results"
+RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+PLANNERS = ("milp", "chen_sqrt_n", "chen_greedy", "dtr", "offline")
+TRAINING_LIKE_SIZES = (60, 120, 200)
+BATCH_FACTOR = 32
+# HiGHS solves Checkmate's model (a stage per decision op) within the time limit up to about
+# this many stages; larger graphs advance the frontier several ops per stage (see
+# remat.checkmate.checkmate_milp), which is optimal only under that restriction.
+MILP_MAX_STAGES = 30
+# Ops of profiler.synthetic.training_like whose outputs are batch-sized activations.
+_ACTIVATION_ROLES = ("input", "matmul", "bias", "relu", "residual", "relu_grad", "input_grad")
+_WEIGHT_ROLES = ("w", "read", "update")
+
+
+def activation_heavy(graph: CostGraph, batch_factor: int = BATCH_FACTOR) -> CostGraph:
+    """A ``training_like`` graph with its batch scaled by ``batch_factor``: activation outputs
+    and every batch-dependent op's compute grow, weights and their updates do not. Variable
+    reads become 0-byte aliases of the variable, as TF allocates them (``remat.tf_memory``)."""
+    specs = []
+    for spec in graph.to_specs():
+        role = spec.name.rsplit("/", 1)[-1]
+        if role in _ACTIVATION_ROLES:
+            spec.output_bytes = [b * batch_factor for b in spec.output_bytes]
+        if role == "read":
+            spec.output_bytes = [0] * len(spec.output_bytes)
+        if role not in _WEIGHT_ROLES:
+            spec.compute_us *= batch_factor
+        specs.append(spec)
+    return CostGraph.from_ops(specs)
+
+
+def _model_graph(name: str, **knobs) -> tuple[CostGraph, list[int], dict]:
+    """The profiled, TF-calibrated planning graph of a model, its step outputs and config."""
+    import models
+    from profiler.trace import profile_graph
+    from remat.tf_memory import tf_memory_model
+
+    item = models.build(name, **knobs)
+    profile = profile_graph(item, steps=4, warmup=2, trace_every=2, progress=None)
+    graph = tf_memory_model(item, profile).plan_graph
+    return graph, resident_outputs(graph, item.loss), {"model": name, **knobs,
+                                                        "costs": "profiled"}
+
+
+def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
+         time_limit_s: float) -> dict:
+    """One planner at one budget: overhead and peak of its plan, or why there is none."""
+    begin = time.perf_counter()
+    try:
+        if planner == "milp":
+            plan = checkmate.checkmate_milp(graph, budget, time_limit_s=time_limit_s,
+                                            outputs=outputs, max_stages=MILP_MAX_STAGES)
+        elif planner == "chen_sqrt_n":
+            plan = baselines.chen_sqrt_n(graph, outputs=outputs)
+        elif planner == "chen_greedy":
+            plan = baselines.chen_greedy(graph, budget, outputs=outputs)
+        else:
+            plan = simulator.simulate(graph, budget, planner, outputs=outputs)
+    except (InfeasibleBudgetError, simulator.RematError, checkmate.NoScheduleFoundError) as error:
+        return {"error": type(error).__name__, "message": str(error)[:300],
+                "seconds": time.perf_counter() - begin}
+    seconds = time.perf_counter() - begin
+    replay = replay_plan(graph, plan, outputs)
+    row = {"overhead": replay.overhead, "peak_bytes": replay.peak_bytes,
+           "recomputes": replay.num_recomputes, "seconds": seconds,
+           "within_budget": replay.peak_bytes <= budget}
+    if planner == "milp":
+        row.update({k: plan.stats[k] for k in ("status", "bound_overhead", "mip_gap",
+                                                "num_stages", "coarsened", "num_binaries",
+                                                "num_constraints")})
+    return row
+
+
+def planners_at(graph: CostGraph, outputs: list[int], ratios=RATIOS,
+                time_limit_s: float = 20.0) -> dict:
+    """Every planner at every budget ratio of ``graph``'s checkpoint-all peak."""
+    peak = baselines.checkpoint_all(graph, outputs=outputs).peak_bytes
+    result = {"num_ops": graph.num_ops, "baseline_peak_bytes": peak,
+              "minimum_bytes": minimum_budget_bytes(graph, outputs=outputs),
+              "baseline_compute_us": float(graph.compute_us.sum()), "budgets": []}
+    for ratio in ratios:
+        budget = int(ratio * peak)
+        rows = {p: _run(p, graph, budget, outputs, time_limit_s) for p in PLANNERS}
+        result["budgets"].append({"ratio": ratio, "budget_bytes": budget, "planners": rows})
+    return result
+
+
+def _cell(row: dict) -> str:
+    if "error" in row:
+        return {"InfeasibleBudgetError": "infeas.", "BudgetTooSmallError": "infeas.",
+                "NoScheduleFoundError": "no sol.", "ThrashError": "thrash",
+                "OutOfMemoryError": "oom"}.get(row["error"], row["error"])
+    if not row["within_budget"]:
+        return f"({row['peak_bytes'] / 2**20:.0f}M)"
+    text = f"{row['overhead']:.3f}"
+    if row.get("status") == "time_limit":
+        text += f"≥{row['bound_overhead']:.3f}"
+    return text + ("*" if row.get("coarsened") else "")
+
+
+def _table(results: dict) -> str:
+    lines = ["overhead (compute with recomputation / without) at budget = ratio x checkpoint-all "
+             "peak;", "milp 'a≥b': time limit hit, incumbent a, HiGHS lower bound b; 'no sol.': "
+             "HiGHS found no schedule in the time limit;",
+             f"'*': coarsened model (at most {MILP_MAX_STAGES} stages; optimal, and bounds, "
+             "for that model only); '(NM)': the plan's peak (MiB) is over budget;",
+             "infeas.: below the minimum budget (or proved infeasible); oom/thrash: the DTR "
+             "simulation failed", ""]
+    header = f"{'graph':<18}{'ops':>5}{'ratio':>6}  " + "".join(f"{p:>16}" for p in PLANNERS)
+    lines.append(header)
+    for name, graph in results["graphs"].items():
+        for entry in graph["budgets"]:
+            cells = "".join(f"{_cell(entry['planners'][p]):>16}" for p in PLANNERS)
+            lines.append(f"{name:<18}{graph['num_ops']:>5}{entry['ratio']:>6.2f}  {cells}")
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    graphs = results["graphs"]
+    fig, axes = plt.subplots(1, len(graphs), figsize=(4 * len(graphs), 3.6), squeeze=False)
+    for ax, (name, graph) in zip(axes[0], graphs.items()):
+        for planner in PLANNERS:
+            points = [(e["ratio"], e["planners"][planner]["overhead"]) for e in graph["budgets"]
+                      if e["planners"][planner].get("within_budget")]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=planner)
+        bounds = [(e["ratio"], e["planners"]["milp"]["bound_overhead"]) for e in graph["budgets"]
+                  if e["planners"]["milp"].get("bound_overhead") is not None]
+        if bounds:
+            ax.plot(*zip(*bounds), "k--", linewidth=1, label="milp bound")
+        ax.set_title(f"{name} ({graph['num_ops']} ops)")
+        ax.set_xlabel("budget / checkpoint-all peak")
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("compute overhead")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
+
+
+def main(time_limit_s: float = 20.0) -> dict:
+    """Run the benchmark; write JSON, PNG and a text table under ``bench/results``."""
+    begin = time.perf_counter()
+    graphs: dict[str, tuple[CostGraph, list[int], dict]] = {}
+    graphs["mlp"] = _model_graph("mlp", preset="tiny", batch_size=1024, depth=6, width=256)
+    graphs["resnet"] = _model_graph("resnet", preset="tiny", batch_size=32)
+    for size in TRAINING_LIKE_SIZES:
+        graph = activation_heavy(training_like(size, seed=size))
+        graphs[f"training_like_{size}"] = (
+            graph, resident_outputs(graph, "loss"),
+            {"generator": "training_like", "num_ops": size, "seed": size,
+             "batch_factor": BATCH_FACTOR, "costs": "synthetic"})
+    results = {"time_limit_s": time_limit_s, "ratios": list(RATIOS), "planners": list(PLANNERS),
+               "graphs": {}}
+    for name, (graph, outputs, config) in graphs.items():
+        print(f"remat_milp: {name} ({graph.num_ops} ops)", flush=True)
+        results["graphs"][name] = {"config": config, **planners_at(graph, outputs, RATIOS,
+                                                                   time_limit_s)}
+    results["seconds"] = time.perf_counter() - begin
+    table = _table(results)
+    atomic_write_json(os.path.join(RESULTS, "remat_milp.json"), results)
+    _plot(results, os.path.join(RESULTS, "remat_milp.png"))
+    with open(os.path.join(RESULTS, "remat_milp.txt.tmp"), "w") as f:
+        f.write(table + "\n")
+    os.replace(os.path.join(RESULTS, "remat_milp.txt.tmp"), os.path.join(RESULTS, "remat_milp.txt"))
+    print(table)
+    print(f"remat_milp: {results['seconds']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main(*(float(a) for a in sys.argv[1:2]))
