@@ -1,8 +1,8 @@
 """``make bench``: run every benchmark, one after another, and index their results.
 
 Each benchmark module writes its own JSON (and plots) under ``bench/results/``; this driver
-runs them in a fixed order, times them, and writes ``bench/results/index.json`` naming the
-machine they ran on, so README numbers can be traced to a run.
+runs them in a fixed order, times them, and records in ``bench/results/index.json`` when and on
+what machine each ran, so README numbers can be traced to a run.
 
     python -m tools.bench                 # all
     python -m tools.bench ir placement    # some, by name
@@ -11,6 +11,7 @@ machine they ran on, so README numbers can be traced to a run.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import platform
 import sys
@@ -18,6 +19,7 @@ import time
 
 from profiler.profile import atomic_write_json
 
+INDEX_PATH = "bench/results/index.json"
 BENCHMARKS = {
     "ir": "tools.bench_ir",
     "remat_traces": "tools.bench_remat_traces",
@@ -28,22 +30,31 @@ BENCHMARKS = {
 
 def machine() -> dict:
     """What the numbers were measured on."""
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "python": platform.python_version()}
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "python": platform.python_version()}
 
 
 def main(names: list[str]) -> None:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         sys.exit(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
-    index = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-             "runs": {}}
+    runs = {}
+    if os.path.exists(INDEX_PATH):  # a partial run keeps the other benchmarks' entries
+        with open(INDEX_PATH) as f:
+            runs = json.load(f)["runs"]
     for name in names or list(BENCHMARKS):
         print(f"== benchmark {name} ==", flush=True)
         begin = time.perf_counter()
         importlib.import_module(BENCHMARKS[name]).main()
-        index["runs"][name] = {"seconds": round(time.perf_counter() - begin, 1)}
-        atomic_write_json("bench/results/index.json", index)
+        runs[name] = {"seconds": round(time.perf_counter() - begin, 1),
+                      "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine()}
+        atomic_write_json(INDEX_PATH, {"runs": runs})
 
 
 if __name__ == "__main__":
