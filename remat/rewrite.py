@@ -9,7 +9,9 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
 - **Rewiring.** Walking the plan in order, each computed or recomputed op reads the newest
   version of each input that exists at its position in the plan. An original tensor whose
   later readers all moved to a clone dies after its last remaining reader, which is where the
-  memory is saved.
+  memory is saved. An ``Identity``/``IdentityN`` output is a view of its input's buffer
+  (``remat.tf_memory``): a reader of a view whose source was recomputed after the view was
+  taken reads the newer source itself, or the view would hold the old buffer alive.
 - **Control edges.** TF's executor starts a node as soon as its inputs are ready, so a clone
   with only data inputs would run during the forward pass and save nothing. A control edge from
   the node of the previous plan event pins a node to its place in the plan. Anchoring only the
@@ -50,6 +52,7 @@ import tensorflow as tf
 from models.graph_item import GraphItem
 from profiler.cost_graph import CostGraph
 from remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from remat.tf_memory import IDENTITY_OP_TYPES
 from remat.validate import recomputable_ops
 
 __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name", "check_recomputable"]
@@ -173,6 +176,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     _check_plan_matches(graph_def, cost_graph, plan)
     nodes = {node.name: node for node in graph_def.node}
     version: dict[str, str] = {}        # op name -> node holding its newest version
+    origin: dict[str, str] = {}         # clone name -> op name
     clone_count: collections.Counter[str] = collections.Counter()
     clones = []
     safe = recomputable_ops(cost_graph)
@@ -180,11 +184,22 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     control_edges = 0
     anchors: dict[str, str] = {}         # pinned node -> the node it must run after
 
+    def newest(producer: str, suffix: str) -> str:
+        # What a read of ``producer`` + ``suffix`` reads now (see "Rewiring" above).
+        name = version.get(producer, producer)
+        view = nodes[name]
+        if view.op in IDENTITY_OP_TYPES:
+            source, source_suffix = _split_input(view.input[int(suffix[1:] or 0)])
+            original = origin.get(source, source)
+            if version.get(original, original) != source:
+                return newest(original, source_suffix)
+        return name + suffix
+
     def rewire(node) -> None:
         for k, name in enumerate(node.input):
             producer, suffix = _split_input(name)
-            if suffix != "^" and version.get(producer, producer) != producer:
-                node.input[k] = version[producer] + suffix
+            if suffix != "^":
+                node.input[k] = newest(producer, suffix)
 
     for event in plan.events:
         if event.kind == FREE:
@@ -211,6 +226,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             if previous is None:
                 raise RematRewriteError(f"the plan starts with a recompute of {op_name!r}")
             nodes[node.name] = node
+            origin[node.name] = op_name
             clones.append(node)
             version[op_name] = node.name
         if event.kind == RECOMPUTE or (pin_order == "tail" and clones):

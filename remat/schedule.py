@@ -4,9 +4,10 @@ Static planners (checkpoint-all, Chen's segment checkpointing, the Checkmate MIL
 *which* ops run and in what order; when memory is released then follows from liveness. Each
 (re)computation of an op makes a new version of its outputs; a version is freed right after the
 last op that reads it before its producer runs again (a version no op reads is freed right
-after it is made); variables' handles are never freed. No free can come later without wasting
-memory, so this is the least memory the order can run in. The plan's peak and compute are measured by ``remat.validate.replay_plan``,
-the accounting every planner shares.
+after it is made); variables' handles and the step's outputs are never freed. No free can come
+later without wasting memory, so this is the least memory the order can run in. The plan's peak
+and compute are measured by ``remat.validate.replay_plan``, the accounting every planner
+shares.
 """
 
 from __future__ import annotations

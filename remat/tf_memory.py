@@ -20,6 +20,17 @@ allocates, so this module calibrates a cost graph against one traced step:
   recompute only the tail of the chain: TF then cannot forward the buffer and allocates a new
   one (measured: +28 MiB over the plan on the 16-layer MLP). ``expand_plan`` turns a plan of
   chains back into a plan of ops, which clones a chain whole.
+- **Identities are views.** ``Identity``/``IdentityN`` outputs that are their inputs' buffers
+  (and do not continue a chain) allocate nothing: they get 0 bytes, and in the planning graph
+  every reader of such a view also reads the viewed tensor, whose buffer lives as long as the
+  view is read. Keras 3 optimizers pass all gradients through one ``IdentityN`` (the default
+  replica context's all-reduce); counting its outputs as new buffers would double the
+  gradients' bytes (twice over: it lists each gradient twice). ``remat.rewrite`` reads a
+  recomputed source directly where a plan recomputes it after the view was taken.
+- **Only the step's buffers move.** A buffer is taken over only from an input the step
+  allocated: constants and variable reads are the runtime's buffers, and an op returning one
+  of them (a ``Reshape`` of a ``Const``, an empty ``Prod``) aliases it, which is free; it never
+  joins the constant's chain (a chain is cloned whole, and a constant cannot be).
 - **Last readers reuse buffers.** An element-wise op that is the last of several readers of
   a tensor writes its output into that tensor's buffer (``Softmax_grad/sub``,
   ``AddN`` of gradients, ...). A plan cannot make this a node (which reader is last depends on
@@ -49,9 +60,11 @@ from profiler.tf_import import cost_graph_from_graph
 from remat.plan import FREE, Event, RematPlan
 
 __all__ = ["MemoryModel", "StepTrace", "trace_step", "tf_memory_model", "expand_plan",
-           "tf_peak_bytes", "step_item"]
+           "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES"]
 
 _FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+# Ops whose outputs are their inputs, unchanged: views of the input buffers.
+IDENTITY_OP_TYPES = frozenset({"Identity", "IdentityN"})
 
 
 def step_item(item: GraphItem) -> GraphItem:
@@ -139,20 +152,26 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
     # reader's chain could put the chain on a cycle through the waiting op.
     awaited = {name for spec in specs for name in spec.control_inputs}
     forwarded_into: dict[str, str] = {}   # producer -> the only reader that took its buffer
+    views: dict[tuple[str, int], tuple[str, int]] = {}   # identity output -> tensor it shows
     last_reader_forwards = []             # (reader, producer, port): a shared buffer taken over
     for spec in specs:
         forwards = _calibrate(spec, trace)
-        for producer, port in forwards:
+        for output_port, (producer, port) in forwards.items():
             if (len(forwards) == 1 and readers[(producer, port)] == 1
                     and len(trace.address[producer]) == 1 and producer not in awaited):
                 forwarded_into[producer] = spec.name
+            elif spec.op_type in IDENTITY_OP_TYPES:
+                spec.output_bytes[output_port] = 0
+                views[(spec.name, output_port)] = (producer, port)
             else:
                 last_reader_forwards.append((spec.name, producer, port))
+    view_reads = {spec.name: [_viewed(views, tuple(source)) for source in spec.inputs
+                              if tuple(source) in views] for spec in specs}
     order = {name: k for k, name in enumerate(sorted(
         (spec.name for spec in specs),
         key=lambda name: (trace.start_us.get(name, 0), base.index[name])))}
     cost_graph = CostGraph.from_ops(sorted(specs, key=lambda spec: order[spec.name]))
-    plan_graph, members = _collapse_chains(cost_graph, forwarded_into)
+    plan_graph, members = _collapse_chains(cost_graph, forwarded_into, view_reads)
     head_node = {cost_graph.names[chain[0]]: k for k, chain in enumerate(members)}
     reuses: dict[int, list[int]] = {}
     for reader, producer, port in last_reader_forwards:
@@ -163,35 +182,44 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
     return MemoryModel(cost_graph, plan_graph, members, reuses)
 
 
-def _calibrate(spec: OpSpec, trace: StepTrace) -> list[tuple[str, int]]:
-    """Rewrite ``spec``'s bytes in place (rules in the module docstring); return the inputs
-    ``(producer, port)`` whose buffer ``spec`` took over as an output."""
+def _viewed(views: dict[tuple[str, int], tuple[str, int]], tensor: tuple[str, int]
+            ) -> tuple[str, int]:
+    """The tensor whose buffer ``tensor`` is, through any number of identity views."""
+    while tensor in views:
+        tensor = views[tensor]
+    return tensor
+
+
+def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
+    """Rewrite ``spec``'s bytes in place (rules in the module docstring); return, per output
+    port whose buffer is an input's, that input ``(producer, port)``."""
     output_bytes = list(spec.output_bytes)
     if spec.op_type in _FEED_OP_TYPES or spec.op_type == "Const":
         spec.persistent_bytes += sum(output_bytes)
         spec.output_bytes = [0] * len(output_bytes)
-        return []
+        return {}
     allocated = trace.allocated.get(spec.name, {})
     address = trace.address.get(spec.name, {})
-    input_address = {trace.address.get(p, {}).get(port): (p, port) for p, port in spec.inputs}
-    input_address.pop(None, None)
-    input_address.pop(0, None)
-    taken = []
+    input_address = {trace.address[p][port]: (p, port) for p, port in spec.inputs
+                     if trace.allocated.get(p, {}).get(port)}
+    taken = {}
     for port in range(len(output_bytes)):
         if port not in allocated:
             continue            # not traced: keep the profile's (or static) estimate
         source = input_address.get(address.get(port))
         if source is not None:
-            taken.append(source)
+            taken[port] = source
         elif not allocated[port]:
             output_bytes[port] = 0
     spec.output_bytes = output_bytes
     return taken
 
 
-def _collapse_chains(graph: CostGraph, forwarded_into: dict[str, str]
+def _collapse_chains(graph: CostGraph, forwarded_into: dict[str, str],
+                     view_reads: dict[str, list[tuple[str, int]]]
                      ) -> tuple[CostGraph, list[list[int]]]:
-    """One node per forwarding chain (a chain of one op is the op itself)."""
+    """One node per forwarding chain (a chain of one op is the op itself); a node also reads
+    the tensors behind the identity views its ops read (``view_reads``: op -> tensors)."""
     head_of = {}
     chains: list[list[int]] = []
     for i in range(graph.num_ops):      # topological: a chain's head comes first
@@ -210,11 +238,11 @@ def _collapse_chains(graph: CostGraph, forwarded_into: dict[str, str]
         members = set(chain)
         inputs, controls = [], set()
         for j in chain:
-            for t in graph.op_inputs(j):
-                producer = int(graph.tensor_producer[t])
-                if producer not in members:
-                    inputs.append((node_name[head_of[graph.names[producer]]],
-                                   int(graph.tensor_port[t])))
+            reads = [(graph.names[int(graph.tensor_producer[t])], int(graph.tensor_port[t]))
+                     for t in graph.op_inputs(j)] + view_reads.get(graph.names[j], [])
+            for producer, port in reads:
+                if graph.index[producer] not in members:
+                    inputs.append((node_name[head_of[producer]], port))
             controls |= {node_name[head_of[graph.names[c]]] for c in graph.control_inputs(j)
                          if c not in members}
         last = chain[-1]

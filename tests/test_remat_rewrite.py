@@ -20,7 +20,9 @@ from remat.rewrite import RematRewriteError, rewrite
 from remat.schedule import plan_from_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL_MLP = dict(batch_size=2048, depth=8, width=256, input_dim=64)
+# Activations (4 MiB each) dominate. Narrower layers (width 256, 2 MiB activations) measure
+# one or two activations above the plan in some runs: a known gap (README, "Known limits").
+SMALL_MLP = dict(batch_size=2048, depth=12, width=512, input_dim=64)
 
 
 def _step_graph(item):
@@ -90,7 +92,7 @@ def test_real_plan_at_tight_budget_saves_measured_memory():
     assert plan.num_recomputes > 0
     report = measure_rewrite(item, rewritten, plan, baseline=baseline, steps=2, warmup=1)
     assert report["peak_ratio"] < 0.75, report
-    assert abs(report["prediction_error"]) < 0.15, report
+    assert abs(report["prediction_error"]) < 0.10, report
     assert report["loss_match"] and report["gradients_match"]
 
 
@@ -144,3 +146,51 @@ def test_train_flag_budget_below_minimum_is_a_usage_error():
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "the minimum is" in run.stderr + run.stdout
+
+
+def test_memory_model_sees_identity_views_and_never_chains_constants():
+    """An ``IdentityN`` (Keras 3 passes every gradient through one, each listed twice) is a
+    view: 0 bytes, and its readers keep the viewed tensors alive. A step op whose output sits
+    at a constant's address aliases the constant and never joins its chain (a chain is cloned
+    whole; a constant cannot be), and a plan recomputing a viewed tensor after the view makes
+    the view's reader read the recomputed tensor."""
+    import numpy as np
+    import tensorflow as tf
+
+    from models.graph_item import GraphItem
+    from remat.tf_memory import expand_plan, trace_step, tf_memory_model
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+        a = tf.multiply(x, 2.0, name="a")
+        b = tf.add(x, 1.0, name="b")
+        views = tf.identity_n([a, b, a, b], name="views")
+        product = tf.multiply(views[0], views[1], name="product")
+        ones = tf.constant(np.ones(4, np.float32), name="ones")
+        reshaped = tf.reshape(ones, [2, 2], name="reshaped")
+        loss = tf.add(tf.reduce_sum(product), tf.reduce_sum(reshaped), name="loss")
+        train_op = tf.no_op(name="train_op")
+        init_op = tf.no_op(name="init")
+    item = GraphItem(graph, train_op.name, loss.name, [], init_op.name,
+                     {"x:0": np.ones([64, 64], np.float32)})
+    trace = trace_step(item)
+    # What a colleague's trace showed: the reshape at the constant's address, allocated.
+    trace.address["reshaped"][0] = trace.address["ones"][0]
+    trace.allocated["reshaped"][0] = True
+    model = tf_memory_model(item, trace=trace)
+    cost_graph, plan_graph = model.cost_graph, model.plan_graph
+    assert cost_graph.output_bytes(cost_graph.index["views"]).tolist() == [0, 0, 0, 0]
+    assert "ones" in plan_graph.index and "reshaped" in plan_graph.index
+    reads = {plan_graph.names[int(plan_graph.tensor_producer[t])]
+             for t in plan_graph.op_inputs(plan_graph.index["product"])}
+    assert reads == {"views", "a", "b"}
+
+    # Recompute ``a`` between the view and its reader: the reader must read the clone.
+    order = list(range(plan_graph.num_ops))
+    order.insert(order.index(plan_graph.index["product"]), plan_graph.index["a"])
+    plan = expand_plan(model, plan_from_schedule(plan_graph, order, None, "hand"))
+    rewritten = rewrite(item, cost_graph, plan)
+    inputs = [t.name for t in rewritten.graph.get_operation_by_name("product").inputs]
+    assert inputs == ["a/remat_1:0", "views:1"]
+    compare_steps(item, rewritten).check()
