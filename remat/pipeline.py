@@ -101,6 +101,11 @@ def plan_for_budget(cost_graph: CostGraph, budget_bytes: int | None, heuristic: 
                    f"{minimum}; raise the budget or try another heuristic")
         raise BudgetError(f"{heuristic}: no plan fits a budget of {budget_bytes:,} bytes; "
                           f"{summary}. {error}", budget_bytes, error.minimum_bytes) from error
+    except checkmate.NoScheduleFoundError as error:
+        raise BudgetError(
+            f"checkmate: HiGHS found no schedule for a budget of {budget_bytes:,} bytes within "
+            f"its time limit (which proves nothing); try a DTR heuristic such as 'offline'. "
+            f"{error}", budget_bytes, budget_bytes) from error
     except simulator.ThrashError as error:
         raise BudgetError(
             f"{heuristic}: a budget of {budget_bytes:,} bytes needs more than "
