@@ -65,14 +65,7 @@ def build(
 
     def forward(rng: np.random.Generator):
         feeds: dict[str, np.ndarray] = {}
-        x = layers.input_placeholder(
-            feeds,
-            "images",
-            rng.standard_normal((batch_size, image_size, image_size, 3), dtype=np.float32),
-        )
-        labels = layers.input_placeholder(
-            feeds, "labels", rng.integers(0, num_classes, batch_size, dtype=np.int32)
-        )
+        x, labels = layers.image_batch(feeds, rng, batch_size, image_size, num_classes)
         # TF-slim's initialisers: truncated normal 5e-2 for convs, 0.04 for fc layers.
         conv_init = tf.compat.v1.truncated_normal_initializer(stddev=5e-2)
         fc_init = tf.compat.v1.truncated_normal_initializer(stddev=0.04)

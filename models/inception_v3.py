@@ -221,14 +221,7 @@ def build(
 
     def forward(rng: np.random.Generator):
         feeds: dict[str, np.ndarray] = {}
-        x = layers.input_placeholder(
-            feeds,
-            "images",
-            rng.standard_normal((batch_size, image_size, image_size, 3), dtype=np.float32),
-        )
-        labels = layers.input_placeholder(
-            feeds, "labels", rng.integers(0, num_classes, batch_size, dtype=np.int32)
-        )
+        x, labels = layers.image_batch(feeds, rng, batch_size, image_size, num_classes)
         with tf.compat.v1.variable_scope("InceptionV3"):
             x = _conv(x, d(32), 3, "Conv2d_1a_3x3", stride=2, padding="VALID")
             x = _conv(x, d(32), 3, "Conv2d_2a_3x3", padding="VALID")

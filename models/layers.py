@@ -43,6 +43,18 @@ def input_placeholder(feeds: dict[str, np.ndarray], name: str, value: np.ndarray
     return tensor
 
 
+def image_batch(feeds: dict[str, np.ndarray], rng: np.random.Generator, batch_size: int,
+                image_size: int, num_classes: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Placeholders ``images`` (standard-normal NHWC RGB) and ``labels`` (uniform classes) with
+    their generated batch recorded in ``feeds``: the input of every image classifier here."""
+    images = input_placeholder(
+        feeds, "images",
+        rng.standard_normal((batch_size, image_size, image_size, 3), dtype=np.float32))
+    labels = input_placeholder(
+        feeds, "labels", rng.integers(0, num_classes, batch_size, dtype=np.int32))
+    return images, labels
+
+
 def dense(
     x: tf.Tensor,
     units: int,

@@ -81,14 +81,7 @@ def build(
 
     def forward(rng: np.random.Generator):
         feeds: dict[str, np.ndarray] = {}
-        x = layers.input_placeholder(
-            feeds,
-            "images",
-            rng.standard_normal((batch_size, image_size, image_size, 3), dtype=np.float32),
-        )
-        labels = layers.input_placeholder(
-            feeds, "labels", rng.integers(0, num_classes, batch_size, dtype=np.int32)
-        )
+        x, labels = layers.image_batch(feeds, rng, batch_size, image_size, num_classes)
         x = tf.nn.relu(_conv_bn(x, base_width, 3, 1, "stem"))
         for stage, multiplier in enumerate((1, 2, 4)):
             for block in range(blocks_per_stage):
