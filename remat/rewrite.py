@@ -20,11 +20,18 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   may itself be an op TF runs early (a shape, a variable update), and the executor's two
   inter-op threads then run a clone next to the forward ops of another segment (measured on
   the 16-layer MLP: a clone of layer 3 running beside layer 15's, +20 MiB over the plan). The
-  default ``pin_order="tail"`` chains every node from the first recomputation on in plan
-  order (one edge per node, skipped where a data edge already orders the pair): the backward
-  pass then runs exactly in the plan's order, as the memory prediction assumes, while each
-  kernel keeps its intra-op threads. The forward pass before it keeps TF's own order, which
-  the calibrated cost graph (``remat.tf_memory``) follows.
+  default ``pin_order="tail"`` chains every node in plan order (one edge per node, skipped
+  where a data edge already orders the pair) from the backward pass on: from the first op
+  outside the loss's fan-in that reads a tensor the forward pass computed, or from the first
+  recomputation if that comes earlier. The backward pass then runs exactly in the plan's
+  order, as the memory prediction assumes, while each kernel keeps its intra-op threads.
+  Starting only at the first recomputation is not enough: when it comes late in the backward
+  pass, the ops before it float, a layer's weight gradient (``MatMul_1``) and input gradient
+  (``MatMul``) run side by side, and the slower one holds the activation or gradient both read
+  past its planned free (measured on an 8-layer MLP of width 256: one or two 2 MiB buffers,
+  +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
+  calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
+  it too cost Inception-V3 10-25 % step time).
 - **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
@@ -142,6 +149,26 @@ def _check_acyclic(graph_def: tf.compat.v1.GraphDef) -> None:
             "the graph's dependencies")
 
 
+def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> str | None:
+    """The first op of ``plan`` outside the loss's fan-in that reads a tensor computed in it
+    (not a constant, feed or variable read): where the backward pass starts using the forward
+    pass's tensors (``None``: no such op)."""
+    forward, stack = set(), [item.graph.get_operation_by_name(item.loss.split(":")[0])]
+    while stack:
+        op = stack.pop()
+        if op.name not in forward:
+            forward.add(op.name)
+            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    computed = {name for name in forward if any(
+        t.dtype != tf.resource for t in item.graph.get_operation_by_name(name).inputs)}
+    for event in plan.events:
+        name = cost_graph.names[event.index] if event.kind == COMPUTE else None
+        if name is not None and name not in forward and any(
+                t.op.name in computed for t in item.graph.get_operation_by_name(name).inputs):
+            return name
+    return None
+
+
 PIN_ORDERS = ("tail", "clones")
 
 
@@ -154,8 +181,9 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         cost_graph: the planner's IR of ``item``'s step (op ids of ``plan`` index it).
         plan: compute / recompute / free events; free events need no graph change (TF frees a
             tensor when its last reader finished, and rewiring moved the later readers away).
-        pin_order: ``"tail"``: every node from the first recomputation on gets a control edge
-            from the previous plan event's node; ``"clones"``: only clones do.
+        pin_order: ``"tail"``: every node from the backward pass's first read of the forward
+            pass (or the first recomputation, if earlier) on gets a control edge from the
+            previous plan event's node; ``"clones"``: only clones do.
 
     Returns:
         A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
@@ -181,6 +209,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     clones = []
     safe = recomputable_ops(cost_graph)
     previous = None                      # node of the plan's previous compute / recompute
+    backward_start = _backward_start(item, cost_graph, plan)
+    pinning = False                      # "tail": from the backward pass on
     control_edges = 0
     anchors: dict[str, str] = {}         # pinned node -> the node it must run after
 
@@ -229,7 +259,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             origin[node.name] = op_name
             clones.append(node)
             version[op_name] = node.name
-        if event.kind == RECOMPUTE or (pin_order == "tail" and clones):
+        pinning = pinning or event.kind == RECOMPUTE or op_name == backward_start
+        if event.kind == RECOMPUTE or (pin_order == "tail" and pinning and previous is not None):
             anchors[node.name] = previous
             if not any(_split_input(name)[0] == previous for name in node.input):
                 node.input.append("^" + previous)
