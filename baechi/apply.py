@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import networkx as nx
 import tensorflow as tf
 
 from baechi.schedule import PlacementError
@@ -39,15 +40,6 @@ __all__ = ["ColocationError", "apply_placement", "enforced_colocation_groups"]
 
 class ColocationError(PlacementError):
     """A placement puts ops that TensorFlow keeps together on different devices."""
-
-
-def _find(parent: dict[str, str], name: str) -> str:
-    root = name
-    while parent[root] != root:
-        root = parent[root]
-    while parent[name] != root:
-        parent[name], name = root, parent[name]
-    return root
 
 
 def enforced_colocation_groups(graph: tf.Graph) -> dict[str, str]:
@@ -64,22 +56,18 @@ def enforced_colocation_groups(graph: tf.Graph) -> dict[str, str]:
         op name -> group name; the group name is the name of one member, chosen
         deterministically (the smallest name), so equal graphs give equal groups.
     """
-    parent = {op.name: op.name for op in graph.get_operations()}
-
-    def union(a: str, b: str) -> None:
-        ra, rb = _find(parent, a), _find(parent, b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-
-    for op in graph.get_operations():
+    operations = graph.get_operations()
+    uf = nx.utils.UnionFind(op.name for op in operations)
+    names = {op.name for op in operations}
+    for op in operations:
         for entry in op.colocation_groups():
             other = entry.decode()[len("loc:@"):]
-            if other in parent:
-                union(op.name, other)
+            if other in names:
+                uf.union(op.name, other)
         for tensor in op.inputs:
             if tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype:
-                union(op.name, tensor.op.name)
-    return {name: _find(parent, name) for name in parent}
+                uf.union(op.name, tensor.op.name)
+    return {name: min(group) for group in uf.to_sets() for name in group}
 
 
 def _check_device_name(name: str) -> None:

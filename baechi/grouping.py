@@ -20,6 +20,7 @@ References:
 
 from __future__ import annotations
 
+import networkx as nx
 import numpy as np
 
 from profiler.cost_graph import CostGraph
@@ -29,31 +30,14 @@ __all__ = ["tf_colocation_groups", "coplacement_groups", "GROUPERS", "groups_for
 GROUPERS = ("tf", "coplace")
 
 
-class _UnionFind:
-    def __init__(self, n: int):
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        root = x
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[x] != root:
-            self.parent[x], x = root, self.parent[x]
-        return root
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-    def labels(self) -> np.ndarray:
-        roots = np.array([self.find(x) for x in range(len(self.parent))], dtype=np.int64)
-        _, dense = np.unique(roots, return_inverse=True)  # roots are group minima: ordered
-        return dense.astype(np.int64)
+def _labels(uf: nx.utils.UnionFind, n: int) -> np.ndarray:
+    """Dense group ids of ops ``0..n-1``, numbered in the order of each group's first op."""
+    first: dict[int, int] = {}
+    return np.array([first.setdefault(uf[x], len(first)) for x in range(n)], dtype=np.int64)
 
 
-def _union_groups(graph: CostGraph, groups: np.ndarray | None) -> _UnionFind:
-    uf = _UnionFind(graph.num_ops)
+def _union_groups(graph: CostGraph, groups: np.ndarray | None) -> nx.utils.UnionFind:
+    uf = nx.utils.UnionFind(range(graph.num_ops))
     if groups is not None:
         first: dict[int, int] = {}
         for i, g in enumerate(np.asarray(groups).tolist()):
@@ -83,7 +67,7 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
         >>> tf_colocation_groups(g).tolist()
         [0, 0, 1, 1]
     """
-    uf = _UnionFind(graph.num_ops)
+    uf = nx.utils.UnionFind(range(graph.num_ops))
     by_label: dict[str, int] = {}
     for i, label in enumerate(graph.colocation_groups):
         uf.union(by_label.setdefault(label, i), i)
@@ -94,7 +78,7 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
         for t in graph.op_outputs(i):
             for j in graph.tensor_consumers(t).tolist():
                 uf.union(i, j)
-    return uf.labels()
+    return _labels(uf, graph.num_ops)
 
 
 def coplacement_groups(graph: CostGraph, groups: np.ndarray | None = None) -> np.ndarray:
@@ -126,7 +110,7 @@ def coplacement_groups(graph: CostGraph, groups: np.ndarray | None = None) -> np
         successors = graph.successors(i)
         if len(successors) == 1 and size[i] == 1:
             uf.union(i, successors[0])
-    return uf.labels()
+    return _labels(uf, graph.num_ops)
 
 
 def groups_for(graph: CostGraph, grouper: str) -> np.ndarray:
