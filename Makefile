@@ -18,16 +18,16 @@ $(STAMP): pyproject.toml
 # placed on two devices of 16 MiB each. Override with e.g. `make train ARGS="--model_name=mlp"`.
 ARGS ?= --memory_ratio=0.5 --num_devices=2 --device_memory=16MiB
 train: $(STAMP)
-	$(PY) -m tools.train $(ARGS)
+	$(PY) -m graphfit.tools.train $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) -m tools.bench
+	$(PY) -m graphfit.tools.bench
 
 sweep: $(STAMP)
-	$(PY) -m tools.sweep --config tools/sweep_configs/ablation.json
+	$(PY) -m graphfit.tools.sweep --config tools/sweep_configs/ablation.json
 
 # Debian's offline Bazel and the rule sets WORKSPACE points at (DESIGN.md §7).
 bazel-deps:

@@ -9,6 +9,6 @@ __all__ = ["optimize"]
 
 def __getattr__(name):
     if name == "optimize":
-        from baechi.pipeline import optimize
+        from graphfit.baechi.pipeline import optimize
         return optimize
     raise AttributeError(f"module 'baechi' has no attribute {name!r}")

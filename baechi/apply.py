@@ -30,10 +30,10 @@ from collections.abc import Mapping
 import networkx as nx
 import tensorflow as tf
 
-from baechi.schedule import PlacementError
-from models.graph_item import GraphItem
-from profiler.tf_import import step_operations
-from profiler.trace import step_fetches
+from graphfit.baechi.schedule import PlacementError
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.tf_import import step_operations
+from graphfit.profiler.trace import step_fetches
 
 __all__ = ["ColocationError", "apply_placement", "enforced_colocation_groups"]
 

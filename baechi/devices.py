@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from profiler.sizes import parse_bytes
+from graphfit.profiler.sizes import parse_bytes
 
 __all__ = ["Device", "DeviceError", "DeviceSet", "LinkCost", "default_device_names",
            "parse_comm_coeffs"]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from baechi.units import UnitGraph
-from profiler.cost_graph import CostGraph
+from graphfit.baechi.units import UnitGraph
+from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["fuse"]
 

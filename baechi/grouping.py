@@ -23,7 +23,7 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from profiler.cost_graph import CostGraph
+from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["tf_colocation_groups", "coplacement_groups", "GROUPERS", "groups_for"]
 

@@ -29,8 +29,8 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
-from baechi.devices import LinkCost
-from baechi.units import CONTROL_EDGE_BYTES, UnitGraph
+from graphfit.baechi.devices import LinkCost
+from graphfit.baechi.units import CONTROL_EDGE_BYTES, UnitGraph
 
 __all__ = ["LP_SOLVERS", "LPSolverError", "LPSolution", "edge_comm_us", "solve_favourite_lp",
            "round_favourites"]

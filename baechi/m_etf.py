@@ -25,9 +25,9 @@ import heapq
 
 import numpy as np
 
-from baechi.devices import DeviceSet
-from baechi.schedule import PlacementError, Schedule, ScheduleBuilder
-from baechi.units import UnitGraph
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.schedule import PlacementError, Schedule, ScheduleBuilder
+from graphfit.baechi.units import UnitGraph
 
 __all__ = ["m_etf"]
 

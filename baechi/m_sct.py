@@ -11,11 +11,11 @@ favourite parent's device when that device has room for it.
 
 from __future__ import annotations
 
-from baechi.devices import DeviceSet
-from baechi.lp import round_favourites, solve_favourite_lp
-from baechi.m_etf import m_etf
-from baechi.schedule import Schedule
-from baechi.units import UnitGraph
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.lp import round_favourites, solve_favourite_lp
+from graphfit.baechi.m_etf import m_etf
+from graphfit.baechi.schedule import Schedule
+from graphfit.baechi.units import UnitGraph
 
 __all__ = ["m_sct"]
 

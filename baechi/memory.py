@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from baechi.schedule import Schedule
+    from graphfit.baechi.schedule import Schedule
 
 __all__ = ["MEMORY_MODELS", "MemoryModelError", "check_memory_model", "device_peak_bytes"]
 

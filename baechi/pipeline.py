@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from baechi.devices import DeviceSet
-from baechi.place_and_run import place_and_check, place_item
-from baechi.run import RunTarget
-from models.graph_item import GraphItem
-from profiler.profile import Profile
-from profiler.trace import print_progress, profile_graph
-from remat.plan import RematPlan
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.place_and_run import place_and_check, place_item
+from graphfit.baechi.run import RunTarget
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.profile import Profile
+from graphfit.profiler.trace import print_progress, profile_graph
+from graphfit.remat.plan import RematPlan
 
 __all__ = ["PASSES", "OptimizeResult", "PassRecord", "optimize"]
 
@@ -63,8 +63,8 @@ class OptimizeResult:
 def _remat_pass(item: GraphItem, budget_bytes: int | None, budget_ratio: float | None,
                 heuristic: str, overhead_limit: float, verify: bool, num_cpu_devices: int
                 ) -> tuple[GraphItem, RematPlan, dict]:
-    from remat.measure import measure_rewrite, measure_step
-    from remat.pipeline import rematerialize
+    from graphfit.remat.measure import measure_rewrite, measure_step
+    from graphfit.remat.pipeline import rematerialize
 
     baseline = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
     rewritten, plan = rematerialize(item, baseline.profile, budget_bytes=budget_bytes,
@@ -118,8 +118,8 @@ def optimize(item: GraphItem, *,
         profiler.step_compare.StepMismatchError: a placed step computes different values.
 
     Examples:
-        >>> import models                                            # doctest: +SKIP
-        >>> from baechi.run import local_target                      # doctest: +SKIP
+        >>> from graphfit import models                              # doctest: +SKIP
+        >>> from graphfit.baechi.run import local_target             # doctest: +SKIP
         >>> result = optimize(models.build("resnet", preset="activations"),
         ...                   memory_ratio=0.5, target=local_target(2))  # doctest: +SKIP
         >>> result.report()["remat"]["measured_peak_bytes"]          # doctest: +SKIP

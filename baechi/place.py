@@ -20,17 +20,17 @@ import time
 
 import numpy as np
 
-from baechi.devices import DeviceSet
-from baechi.fusion import fuse
-from baechi.grouping import GROUPERS, coplacement_groups, tf_colocation_groups
-from baechi.lp import LP_SOLVERS
-from baechi.m_etf import m_etf
-from baechi.m_sct import m_sct
-from baechi.m_topo import m_topo
-from baechi.memory import check_memory_model
-from baechi.schedule import PlacementError, Schedule, simulate
-from baechi.units import UnitGraph
-from profiler.cost_graph import CostGraph
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.fusion import fuse
+from graphfit.baechi.grouping import GROUPERS, coplacement_groups, tf_colocation_groups
+from graphfit.baechi.lp import LP_SOLVERS
+from graphfit.baechi.m_etf import m_etf
+from graphfit.baechi.m_sct import m_sct
+from graphfit.baechi.m_topo import m_topo
+from graphfit.baechi.memory import check_memory_model
+from graphfit.baechi.schedule import PlacementError, Schedule, simulate
+from graphfit.baechi.units import UnitGraph
+from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["METHODS", "PLACER_TYPES", "Placement", "PlacementError", "makespan_lower_bound_us",
            "place"]
@@ -191,8 +191,8 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
         ValueError: an unknown option.
 
     Examples:
-        >>> from profiler.synthetic import training_like
-        >>> from baechi.devices import DeviceSet
+        >>> from graphfit.profiler.synthetic import training_like
+        >>> from graphfit.baechi.devices import DeviceSet
         >>> devs = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], "4GiB",
         ...                          "0.0001754,134")
         >>> graph = training_like(200)

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from baechi.apply import apply_placement
-from baechi.devices import DeviceSet
-from baechi.place import Placement, place
-from baechi.run import PLACEMENT_RTOL, RunTarget, measure_placed_run
-from models.graph_item import GraphItem
-from profiler.profile import Profile
-from profiler.step_compare import compare_steps
-from profiler.tf_import import cost_graph_from_graph
-from profiler.trace import step_fetches
+from graphfit.baechi.apply import apply_placement
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.place import Placement, place
+from graphfit.baechi.run import PLACEMENT_RTOL, RunTarget, measure_placed_run
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.profile import Profile
+from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.tf_import import cost_graph_from_graph
+from graphfit.profiler.trace import step_fetches
 
 __all__ = ["place_item", "place_and_check"]
 

@@ -39,11 +39,11 @@ from typing import IO
 
 import tensorflow as tf
 
-from baechi.devices import default_device_names
-from models.graph_item import GraphItem
-from profiler.session import session_config
-from profiler.tf_import import step_operations
-from profiler.trace import profile_graph, step_fetches
+from graphfit.baechi.devices import default_device_names
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.session import session_config
+from graphfit.profiler.tf_import import step_operations
+from graphfit.profiler.trace import profile_graph, step_fetches
 
 __all__ = ["ClusterError", "DeviceMismatchError", "LocalCluster", "MemoryLimitError",
            "PLACEMENT_RTOL", "PlacedRun", "RunTarget", "local_target", "measure_placed_run"]

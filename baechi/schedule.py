@@ -33,10 +33,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from baechi.devices import DeviceSet
-from baechi.memory import check_memory_model, device_peak_bytes
-from baechi.units import CONTROL_EDGE_BYTES, UnitGraph
-from profiler.profile import atomic_write_json
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.memory import check_memory_model, device_peak_bytes
+from graphfit.baechi.units import CONTROL_EDGE_BYTES, UnitGraph
+from graphfit.profiler.profile import atomic_write_json
 
 __all__ = ["Schedule", "ScheduleBuilder", "PlacementError", "simulate"]
 

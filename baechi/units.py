@@ -18,7 +18,7 @@ import heapq
 
 import numpy as np
 
-from profiler.cost_graph import CostGraph
+from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["UnitGraph", "UnitGraphError", "CONTROL_EDGE_BYTES"]
 

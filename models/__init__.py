@@ -25,7 +25,7 @@ Presets (``PRESETS[name][preset]`` holds the knob values):
 
 Usage::
 
-    import models
+    from graphfit import models
     item = models.build("resnet", preset="tiny")                  # a preset as is
     item = models.build("resnet", depth=32, optimizer="adam")     # default preset, overridden
     item = models.build("mlp", preset=None, batch_size=8)         # the builder's own defaults
@@ -39,9 +39,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from models import cifarnet, gnmt_v2, inception_v3, mlp, resnet, transformer
-from models.graph_item import GraphItem
-from models.training import OPTIMIZER_NAMES, make_optimizer
+from graphfit.models import cifarnet, gnmt_v2, inception_v3, mlp, resnet, transformer
+from graphfit.models.graph_item import GraphItem
+from graphfit.models.training import OPTIMIZER_NAMES, make_optimizer
 
 __all__ = [
     "MODEL_NAMES",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from models.graph_item import GraphItem
+from graphfit.models.graph_item import GraphItem
 
 __all__ = ["DEFAULT_LEARNING_RATES", "OPTIMIZER_NAMES", "build_training_step", "make_optimizer"]
 

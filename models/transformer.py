@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from models import layers
-from models.graph_item import GraphItem
-from models.training import build_training_step
+from graphfit.models import layers
+from graphfit.models.graph_item import GraphItem
+from graphfit.models.training import build_training_step
 
 __all__ = ["PRESETS", "build"]
 

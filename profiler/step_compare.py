@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import tensorflow as tf
 
-from models.graph_item import GraphItem
-from profiler.session import make_session
-from profiler.trace import step_fetches
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.session import make_session
+from graphfit.profiler.trace import step_fetches
 
 __all__ = ["StepComparison", "StepMismatchError", "compare_steps"]
 

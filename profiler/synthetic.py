@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 __all__ = ["training_like", "random_dag"]
 

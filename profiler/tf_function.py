@@ -59,9 +59,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as eager_context
 
-from models.graph_item import GraphItem
-from profiler.session import session_config
-from profiler.tf_import import step_operations
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.session import session_config
+from graphfit.profiler.tf_import import step_operations
 
 __all__ = ["FunctionItem", "FunctionItemError", "graph_item_from_function", "to_callable",
            "gradient_tensors"]

@@ -20,8 +20,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
-from profiler.cost_graph import CostGraph, OpSpec, gc_paused
-from profiler.profile import Profile
+from graphfit.profiler.cost_graph import CostGraph, OpSpec, gc_paused
+from graphfit.profiler.profile import Profile
 
 __all__ = ["cost_graph_from_graph", "step_operations", "static_output_bytes", "variable_bytes"]
 

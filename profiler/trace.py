@@ -26,10 +26,10 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from models.graph_item import GraphItem
-from profiler.profile import DeviceMemory, OpCost, Profile, graph_fingerprint
-from profiler.session import make_session
-from profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_operations
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.profile import DeviceMemory, OpCost, Profile, graph_fingerprint
+from graphfit.profiler.session import make_session
+from graphfit.profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_operations
 
 # The process-wide CPU allocator, shared by a session's (virtual) CPU devices: its peak over a
 # traced step is the independent check of the peak replayed from allocation records.

@@ -9,6 +9,6 @@ __all__ = ["rematerialize"]
 
 def __getattr__(name):
     if name == "rematerialize":
-        from remat.pipeline import rematerialize
+        from graphfit.remat.pipeline import rematerialize
         return rematerialize
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from profiler.cost_graph import CostGraph
-from remat.plan import RematPlan
-from remat.schedule import plan_from_schedule
-from remat.validate import InfeasibleBudgetError, recomputable_ops
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.remat.plan import RematPlan
+from graphfit.remat.schedule import plan_from_schedule
+from graphfit.remat.validate import InfeasibleBudgetError, recomputable_ops
 
 __all__ = [
     "articulation_points",

@@ -60,10 +60,10 @@ import numpy as np
 import scipy.sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from profiler.cost_graph import CostGraph
-from remat.plan import RematPlan
-from remat.schedule import plan_from_schedule
-from remat.validate import InfeasibleBudgetError, minimum_budget_bytes, recomputable_ops
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.remat.plan import RematPlan
+from graphfit.remat.schedule import plan_from_schedule
+from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, recomputable_ops
 
 __all__ = ["NoScheduleFoundError", "checkmate_milp"]
 

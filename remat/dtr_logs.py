@@ -37,7 +37,7 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 __all__ = ["DtrLogError", "DtrTrace", "default_logs_path", "read_log", "load_trace",
            "load_traces", "trace_names"]

@@ -27,13 +27,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from models.graph_item import GraphItem
-from profiler.profile import Profile
-from profiler.session import make_session
-from profiler.step_compare import compare_steps
-from profiler.trace import profile_graph
-from remat.plan import RematPlan
-from remat.tf_memory import step_item
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.profile import Profile
+from graphfit.profiler.session import make_session
+from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.trace import profile_graph
+from graphfit.remat.plan import RematPlan
+from graphfit.remat.tf_memory import step_item
 
 __all__ = ["StepMeasurement", "measure_step", "paired_overhead", "measure_rewrite"]
 

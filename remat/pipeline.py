@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.graph_item import GraphItem
-from profiler.cost_graph import CostGraph
-from profiler.profile import Profile
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.profiler.profile import Profile
 # tools.train reads --memory_budget with it from here; the definition is profiler.sizes'.
-from remat.plan import RematPlan
+from graphfit.remat.plan import RematPlan
 
 __all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "plan_for_budget", "rematerialize",
            "resident_outputs"]
@@ -23,7 +23,7 @@ BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate"
 
 
 def _simulated_planners() -> tuple[str, ...]:
-    from remat.simulator import PLANNERS as simulated
+    from graphfit.remat.simulator import PLANNERS as simulated
     return tuple(simulated)
 
 
@@ -46,7 +46,7 @@ def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int
     Keeping a free alias costs nothing, while letting it die would forbid recomputing every op
     that reads it (DTR's banishing) although TF could read it again at no cost.
     """
-    from remat.simulator import recomputable_ops
+    from graphfit.remat.simulator import recomputable_ops
 
     pinned = ~recomputable_ops(cost_graph)[cost_graph.tensor_producer]
     outputs = np.flatnonzero(pinned & (cost_graph.tensor_bytes == 0)).tolist()
@@ -76,9 +76,9 @@ def plan_for_budget(cost_graph: CostGraph, budget_bytes: int | None, heuristic: 
         BudgetError: the budget is below what the planner can reach (names the minimum).
         ValueError: unknown planner.
     """
-    from remat import baselines, checkmate, simulator, validate
-    from remat.plan import FREE
-    from remat.schedule import plan_from_schedule
+    from graphfit.remat import baselines, checkmate, simulator, validate
+    from graphfit.remat.plan import FREE
+    from graphfit.remat.schedule import plan_from_schedule
 
     if heuristic not in PLANNERS:
         raise ValueError(f"unknown planner {heuristic!r}; valid: {', '.join(PLANNERS)}")
@@ -152,9 +152,9 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     References:
         Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021.
     """
-    from remat import baselines
-    from remat.rewrite import rewrite
-    from remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
+    from graphfit.remat import baselines
+    from graphfit.remat.rewrite import rewrite
+    from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
 
     if (budget_bytes is None) == (budget_ratio is None):
         raise ValueError("give exactly one of budget_bytes and budget_ratio")

@@ -56,11 +56,11 @@ import collections
 
 import tensorflow as tf
 
-from models.graph_item import GraphItem
-from profiler.cost_graph import CostGraph
-from remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
-from remat.tf_memory import IDENTITY_OP_TYPES
-from remat.validate import recomputable_ops
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from graphfit.remat.tf_memory import IDENTITY_OP_TYPES
+from graphfit.remat.validate import recomputable_ops
 
 __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name", "check_recomputable"]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from profiler.cost_graph import CostGraph
-from remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
-from remat.validate import replay_plan
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
+from graphfit.remat.validate import replay_plan
 
 __all__ = ["plan_from_schedule"]
 

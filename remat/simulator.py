@@ -40,9 +40,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from profiler.cost_graph import CostGraph
-from remat.heuristics import HEURISTICS, make_heuristic
-from remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.remat.heuristics import HEURISTICS, make_heuristic
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
 
 __all__ = ["RematError", "OutOfMemoryError", "BudgetTooSmallError", "ThrashError",
            "InvalidOrderError", "simulate", "minimum_budget_bytes", "baseline_peak_bytes",

@@ -52,12 +52,12 @@ import dataclasses
 
 import tensorflow as tf
 
-from models.graph_item import GraphItem
-from profiler.cost_graph import CostGraph, OpSpec
-from profiler.profile import Profile
-from profiler.session import make_session
-from profiler.tf_import import cost_graph_from_graph
-from remat.plan import FREE, Event, RematPlan
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.profile import Profile
+from graphfit.profiler.session import make_session
+from graphfit.profiler.tf_import import cost_graph_from_graph
+from graphfit.remat.plan import FREE, Event, RematPlan
 
 __all__ = ["MemoryModel", "StepTrace", "trace_step", "tf_memory_model", "expand_plan",
            "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES"]

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from profiler.cost_graph import CostGraph
-from remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
-from remat.simulator import minimum_budget_bytes, recomputable_ops
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from graphfit.remat.simulator import minimum_budget_bytes, recomputable_ops
 
 __all__ = [
     "InfeasibleBudgetError",

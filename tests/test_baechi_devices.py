@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from baechi.devices import (Device, DeviceError, DeviceSet, LinkCost, default_device_names,
+from graphfit.baechi.devices import (Device, DeviceError, DeviceSet, LinkCost, default_device_names,
                             parse_comm_coeffs)
 
 NAMES = ["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0",

@@ -4,10 +4,10 @@ import networkx as nx
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from baechi.fusion import fuse
-from baechi.grouping import coplacement_groups, groups_for, tf_colocation_groups
-from profiler import synthetic
-from profiler.cost_graph import CostGraph, OpSpec
+from graphfit.baechi.fusion import fuse
+from graphfit.baechi.grouping import coplacement_groups, groups_for, tf_colocation_groups
+from graphfit.profiler import synthetic
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 
 def _quotient_is_acyclic(graph: CostGraph, unit_of_op: np.ndarray) -> bool:

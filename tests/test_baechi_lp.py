@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from baechi.devices import LinkCost
-from baechi.lp import LPSolverError, round_favourites, solve_favourite_lp
-from baechi.units import UnitGraph
-from profiler import synthetic
-from profiler.cost_graph import CostGraph, OpSpec
+from graphfit.baechi.devices import LinkCost
+from graphfit.baechi.lp import LPSolverError, round_favourites, solve_favourite_lp
+from graphfit.baechi.units import UnitGraph
+from graphfit.profiler import synthetic
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 LINK = LinkCost(0.0001754, 134.0)
 

@@ -7,13 +7,13 @@ import re
 import numpy as np
 import pytest
 
-from baechi.devices import DeviceSet
-from baechi.grouping import coplacement_groups, tf_colocation_groups
-from baechi.place import Placement, PlacementError, makespan_lower_bound_us, place
-from baechi.schedule import simulate
-from baechi.units import UnitGraph
-from profiler import synthetic
-from profiler.cost_graph import CostGraph, OpSpec
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.grouping import coplacement_groups, tf_colocation_groups
+from graphfit.baechi.place import Placement, PlacementError, makespan_lower_bound_us, place
+from graphfit.baechi.schedule import simulate
+from graphfit.baechi.units import UnitGraph
+from graphfit.profiler import synthetic
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 NAMES = [f"/device:CPU:{i}" for i in range(4)]
 BASE = DeviceSet.uniform(NAMES, "64GiB", "0.0001754,134")

@@ -11,17 +11,17 @@ import sys
 import numpy as np
 import pytest
 
-import models
-from baechi.apply import ColocationError, apply_placement, enforced_colocation_groups
-from baechi.devices import DeviceSet
-from baechi.place import place
-from baechi.place_and_run import place_and_check
-from baechi.run import (PLACEMENT_RTOL, LocalCluster, MemoryLimitError, local_target,
+from graphfit import models
+from graphfit.baechi.apply import ColocationError, apply_placement, enforced_colocation_groups
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.place import place
+from graphfit.baechi.place_and_run import place_and_check
+from graphfit.baechi.run import (PLACEMENT_RTOL, LocalCluster, MemoryLimitError, local_target,
                         measure_placed_run)
-from baechi.schedule import PlacementError
-from profiler.step_compare import compare_steps
-from profiler.tf_import import cost_graph_from_graph, step_operations
-from profiler.trace import step_fetches
+from graphfit.baechi.schedule import PlacementError
+from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.tf_import import cost_graph_from_graph, step_operations
+from graphfit.profiler.trace import step_fetches
 
 LIMIT_BYTES = 256 * 2**20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,7 +173,7 @@ def test_communication_benchmark_writes_the_link_json(tmp_path):
     output = tmp_path / "comm.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(
-        [sys.executable, "-m", "tools.communication_benchmark", "--transport=virtual",
+        [sys.executable, "-m", "graphfit.tools.communication_benchmark", "--transport=virtual",
          "--max_power=4", "--repeats=3", f"--output={output}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from baechi.devices import DeviceSet
-from baechi.schedule import PlacementError, simulate
-from baechi.units import UnitGraph
-from profiler.cost_graph import CostGraph, OpSpec
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.schedule import PlacementError, simulate
+from graphfit.baechi.units import UnitGraph
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 
 def _units(specs):

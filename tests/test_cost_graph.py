@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from profiler.cost_graph import CostGraph, CostGraphError, OpSpec
-from profiler.synthetic import random_dag, training_like
+from graphfit.profiler.cost_graph import CostGraph, CostGraphError, OpSpec
+from graphfit.profiler.synthetic import random_dag, training_like
 
 
 def _diamond():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from models import training
+from graphfit import models
+from graphfit.models import training
 
 ACTIVATIONS_MODELS = ("mlp", "cifarnet", "resnet", "transformer")
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-import baechi
-import models
-from baechi.devices import DeviceSet
-from baechi.run import local_target
+from graphfit import baechi
+from graphfit import models
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.run import local_target
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-import models
-from profiler.profile import Profile, ProfileMismatchError
-from profiler.tf_import import cost_graph_from_graph
-from profiler.trace import profile_graph, step_fetches
+from graphfit import models
+from graphfit.profiler.profile import Profile, ProfileMismatchError
+from graphfit.profiler.tf_import import cost_graph_from_graph
+from graphfit.profiler.trace import profile_graph, step_fetches
 
 
 @pytest.fixture(scope="module")

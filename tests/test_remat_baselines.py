@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from profiler.cost_graph import CostGraph, OpSpec
-from profiler.synthetic import random_dag, training_like
-from remat import baselines, checkmate, simulator
-from remat.plan import COMPUTE, FREE, RECOMPUTE, Event
-from remat.validate import InfeasibleBudgetError, PlanError, minimum_budget_bytes, replay_plan
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.synthetic import random_dag, training_like
+from graphfit.remat import baselines, checkmate, simulator
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event
+from graphfit.remat.validate import InfeasibleBudgetError, PlanError, minimum_budget_bytes, replay_plan
 
 ACT = 1000
 

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-import models
-from profiler.step_compare import compare_steps
-from profiler.tf_import import cost_graph_from_graph
-from remat.measure import measure_rewrite, measure_step
-from remat.pipeline import BudgetError, rematerialize
-from remat.plan import COMPUTE, RECOMPUTE, Event, RematPlan
-from remat.rewrite import RematRewriteError, rewrite
-from remat.schedule import plan_from_schedule
+from graphfit import models
+from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.tf_import import cost_graph_from_graph
+from graphfit.remat.measure import measure_rewrite, measure_step
+from graphfit.remat.pipeline import BudgetError, rematerialize
+from graphfit.remat.plan import COMPUTE, RECOMPUTE, Event, RematPlan
+from graphfit.remat.rewrite import RematRewriteError, rewrite
+from graphfit.remat.schedule import plan_from_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Activations (4 MiB each) dominate. On narrower layers a copy-on-write of a weight the plan
@@ -118,7 +118,7 @@ def test_real_plan_at_tight_budget_saves_measured_memory():
 
 
 def test_memory_model_follows_tf_allocations():
-    from remat.tf_memory import expand_plan, tf_memory_model
+    from graphfit.remat.tf_memory import expand_plan, tf_memory_model
 
     item = models.build("mlp", preset="tiny")
     model = tf_memory_model(item)
@@ -145,7 +145,7 @@ def test_budget_below_minimum_names_the_minimum():
 
 
 def test_sweep_runs_tiny_config(tmp_path):
-    from tools.sweep import run_sweep
+    from graphfit.tools.sweep import run_sweep
 
     with open(os.path.join(REPO, "tools/sweep_configs/tiny.json")) as f:
         config = json.load(f)
@@ -162,7 +162,7 @@ def test_sweep_runs_tiny_config(tmp_path):
 def test_train_flag_budget_below_minimum_is_a_usage_error():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     run = subprocess.run(
-        [sys.executable, "-m", "tools.train", "--model_name=mlp", "--preset=tiny", "--steps=1",
+        [sys.executable, "-m", "graphfit.tools.train", "--model_name=mlp", "--preset=tiny", "--steps=1",
          "--memory_budget=1KiB", "--report_path=/dev/null"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
@@ -178,8 +178,8 @@ def test_memory_model_sees_identity_views_and_never_chains_constants():
     import numpy as np
     import tensorflow as tf
 
-    from models.graph_item import GraphItem
-    from remat.tf_memory import expand_plan, trace_step, tf_memory_model
+    from graphfit.models.graph_item import GraphItem
+    from graphfit.remat.tf_memory import expand_plan, trace_step, tf_memory_model
 
     graph = tf.Graph()
     with graph.as_default():

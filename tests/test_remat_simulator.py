@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from profiler.cost_graph import CostGraph, OpSpec
-from profiler.synthetic import random_dag, training_like
-from remat.dtr_logs import DtrLogError, default_logs_path, load_trace, load_traces, read_log
-from remat.plan import COMPUTE, RECOMPUTE
-from remat.validate import PlanError, replay_plan
-from remat.simulator import (PLANNERS, BudgetTooSmallError, InvalidOrderError, OutOfMemoryError,
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.synthetic import random_dag, training_like
+from graphfit.remat.dtr_logs import DtrLogError, default_logs_path, load_trace, load_traces, read_log
+from graphfit.remat.plan import COMPUTE, RECOMPUTE
+from graphfit.remat.validate import PlanError, replay_plan
+from graphfit.remat.simulator import (PLANNERS, BudgetTooSmallError, InvalidOrderError, OutOfMemoryError,
                              ThrashError, baseline_peak_bytes, minimum_budget_bytes, simulate)
 
 EXCERPT = Path(__file__).parent / "data" / "dtr_excerpt.jsonl"

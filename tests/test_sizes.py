@@ -2,7 +2,7 @@
 
 import pytest
 
-from profiler.sizes import SizeError, parse_bytes
+from graphfit.profiler.sizes import SizeError, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [

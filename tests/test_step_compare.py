@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-import models
-from profiler.step_compare import StepMismatchError, compare_steps
+from graphfit import models
+from graphfit.profiler.step_compare import StepMismatchError, compare_steps
 
 
 def test_other_seed_starts_from_the_reference_variables():

@@ -10,10 +10,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from profiler.session import make_session  # noqa: E402
-from profiler.tf_function import (FunctionItem, FunctionItemError,  # noqa: E402
+from graphfit.profiler.session import make_session  # noqa: E402
+from graphfit.profiler.tf_function import (FunctionItem, FunctionItemError,  # noqa: E402
                                   graph_item_from_function, to_callable)
-from profiler.trace import profile_graph  # noqa: E402
+from graphfit.profiler.trace import profile_graph  # noqa: E402
 
 WIDTH, BATCH = 32, 64
 
@@ -137,8 +137,8 @@ def test_rematerialized_step_trains_the_keras_model_like_the_original():
     """A hand-made plan recomputes the first layer (MatMul, BiasAdd, Relu) right before the
     backward pass reads it; the rewritten step must train the model to identical weights."""
     rewrite_module = pytest.importorskip("remat.rewrite")
-    from profiler.tf_import import cost_graph_from_graph
-    from remat.schedule import plan_from_schedule
+    from graphfit.profiler.tf_import import cost_graph_from_graph
+    from graphfit.remat.schedule import plan_from_schedule
 
     model, opt, train_step = _keras_step(optimizer="sgd")
     reference_model, reference_opt, reference_step = _keras_step(optimizer="sgd")
@@ -160,7 +160,7 @@ def test_rematerialized_step_trains_the_keras_model_like_the_original():
     clones = [op.name for op in rewritten.graph.get_operations() if "/remat_" in op.name]
     assert len(clones) == 3
     # The rewritten item still initialises and runs on its own in a session.
-    from profiler.step_compare import compare_steps
+    from graphfit.profiler.step_compare import compare_steps
     compare_steps(item, rewritten).check()
 
     step = to_callable(rewritten, item)
@@ -246,7 +246,7 @@ def test_nested_functions_are_refused_as_opaque():
 
 def test_callable_needs_the_function_item(traced):
     *_, item = traced
-    from models.graph_item import GraphItem
+    from graphfit.models.graph_item import GraphItem
     plain = GraphItem(item.graph, item.train_op, item.loss, item.gradients, item.init_op,
                       item.feeds)
     with pytest.raises(FunctionItemError, match="FunctionItem"):

@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _train(*flags, cwd):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, "-m", "tools.train", *flags], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "graphfit.tools.train", *flags], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300,
                           check=False)
 

@@ -4,8 +4,8 @@ Each benchmark module writes its own JSON (and plots) under ``bench/results/``; 
 runs them in a fixed order, times them, and records in ``bench/results/index.json`` when and on
 what machine each ran, so README numbers can be traced to a run.
 
-    python -m tools.bench                 # all
-    python -m tools.bench ir placement    # some, by name
+    python -m graphfit.tools.bench                 # all
+    python -m graphfit.tools.bench ir placement    # some, by name
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import platform
 import sys
 import time
 
-from profiler.profile import atomic_write_json
+from graphfit.profiler.profile import atomic_write_json
 
 INDEX_PATH = "bench/results/index.json"
 BENCHMARKS = {
-    "ir": "tools.bench_ir",
-    "remat_traces": "tools.bench_remat_traces",
-    "remat_milp": "tools.bench_remat_milp",
-    "placement": "tools.bench_placement",
+    "ir": "graphfit.tools.bench_ir",
+    "remat_traces": "graphfit.tools.bench_remat_traces",
+    "remat_milp": "graphfit.tools.bench_remat_milp",
+    "placement": "graphfit.tools.bench_placement",
 }
 
 

@@ -18,10 +18,10 @@ import tracemalloc
 
 import tensorflow as tf
 
-from profiler.cost_graph import CostGraph
-from profiler.profile import atomic_write_json
-from profiler.synthetic import random_dag
-from profiler.tf_import import cost_graph_from_graph
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.profiler.profile import atomic_write_json
+from graphfit.profiler.synthetic import random_dag
+from graphfit.profiler.tf_import import cost_graph_from_graph
 
 __all__ = ["main", "tf_graph_of"]
 

@@ -26,14 +26,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from baechi.devices import DeviceSet, default_device_names  # noqa: E402
+from graphfit.baechi.devices import DeviceSet, default_device_names  # noqa: E402
 import numpy as np  # noqa: E402
 
-from baechi.place import METHODS, PlacementError, place  # noqa: E402
-from baechi.schedule import simulate  # noqa: E402
-from baechi.units import UnitGraph  # noqa: E402
-from profiler.profile import atomic_write_json  # noqa: E402
-from profiler.synthetic import random_dag, training_like  # noqa: E402
+from graphfit.baechi.place import METHODS, PlacementError, place  # noqa: E402
+from graphfit.baechi.schedule import simulate  # noqa: E402
+from graphfit.baechi.units import UnitGraph  # noqa: E402
+from graphfit.profiler.profile import atomic_write_json  # noqa: E402
+from graphfit.profiler.synthetic import random_dag, training_like  # noqa: E402
 
 __all__ = ["main"]
 
@@ -114,9 +114,9 @@ def _tightest(graph, label: str, configs) -> list[dict]:
 def _model_graphs():
     """(name, cost graph) for every model, with static estimates; a model that fails to build
     is reported and skipped."""
-    import models
-    from profiler.tf_import import cost_graph_from_graph
-    from profiler.trace import step_fetches
+    from graphfit import models
+    from graphfit.profiler.tf_import import cost_graph_from_graph
+    from graphfit.profiler.trace import step_fetches
     for name in models.MODEL_NAMES:
         try:
             item = models.build(name, preset="default")

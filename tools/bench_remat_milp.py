@@ -22,7 +22,7 @@ Graphs:
 
 Writes ``bench/results/remat_milp.json``, ``remat_milp.png`` and ``remat_milp.txt``.
 
-    python -m tools.bench_remat_milp [time_limit_s]
+    python -m graphfit.tools.bench_remat_milp [time_limit_s]
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import os
 import sys
 import time
 
-from profiler.cost_graph import CostGraph
-from profiler.profile import atomic_write_json
-from profiler.synthetic import training_like
-from remat import baselines, checkmate, simulator
-from remat.pipeline import resident_outputs
-from remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.profiler.profile import atomic_write_json
+from graphfit.profiler.synthetic import training_like
+from graphfit.remat import baselines, checkmate, simulator
+from graphfit.remat.pipeline import resident_outputs
+from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
 
 __all__ = ["main", "activation_heavy", "planners_at"]
 
@@ -73,9 +73,9 @@ def activation_heavy(graph: CostGraph, batch_factor: int = BATCH_FACTOR) -> Cost
 
 def _model_graph(name: str, **knobs) -> tuple[CostGraph, list[int], dict]:
     """The profiled, TF-calibrated planning graph of a model, its step outputs and config."""
-    import models
-    from profiler.trace import profile_graph
-    from remat.tf_memory import tf_memory_model
+    from graphfit import models
+    from graphfit.profiler.trace import profile_graph
+    from graphfit.remat.tf_memory import tf_memory_model
 
     item = models.build(name, **knobs)
     profile = profile_graph(item, steps=4, warmup=2, trace_every=2, progress=None)

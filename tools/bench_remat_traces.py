@@ -25,9 +25,9 @@ import multiprocessing
 import statistics
 import time
 
-from profiler.profile import atomic_write_json
-from remat.dtr_logs import default_logs_path, load_traces, trace_names
-from remat.simulator import (OFFLINE_PORTFOLIO, PLANNERS, BudgetTooSmallError, OutOfMemoryError,
+from graphfit.profiler.profile import atomic_write_json
+from graphfit.remat.dtr_logs import default_logs_path, load_traces, trace_names
+from graphfit.remat.simulator import (OFFLINE_PORTFOLIO, PLANNERS, BudgetTooSmallError, OutOfMemoryError,
                              ThrashError, baseline_peak_bytes, minimum_budget_bytes, simulate)
 
 __all__ = ["main", "run_planner"]

@@ -22,7 +22,7 @@ Output: ``--comm_cost_coeffs=a,b`` on stdout, and the per-link JSON that
 ``baechi.devices.DeviceSet.from_json`` reads (``default`` and directional ``links``, plus the
 raw measurements), written atomically to ``--output``, with a log-log plot next to it.
 
-    python -m tools.communication_benchmark --transport=grpc --max_power=22
+    python -m graphfit.tools.communication_benchmark --transport=grpc --max_power=22
 """
 
 from __future__ import annotations
@@ -169,10 +169,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     import tensorflow as tf
 
-    from baechi.devices import LinkCost
-    from baechi.run import LocalCluster, RunTarget
-    from profiler.profile import atomic_write_json
-    from profiler.trace import print_progress
+    from graphfit.baechi.devices import LinkCost
+    from graphfit.baechi.run import LocalCluster, RunTarget
+    from graphfit.profiler.profile import atomic_write_json
+    from graphfit.profiler.trace import print_progress
 
     num_gpus = len(tf.config.list_physical_devices("GPU"))
     transport = _TRANSPORT.value or ("gpu" if num_gpus >= 2 else "grpc")

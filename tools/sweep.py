@@ -1,6 +1,6 @@
 """Rematerialization sweeps on real TensorFlow: budgets x planners, planned vs measured.
 
-    python -m tools.sweep --config tools/sweep_configs/ablation.json [--output_dir DIR]
+    python -m graphfit.tools.sweep --config tools/sweep_configs/ablation.json [--output_dir DIR]
 
 The config follows the DTR prototype's evaluation configs: per model a list of commands, and
 every list-valued field of a command is unfolded as a Cartesian product::
@@ -63,7 +63,7 @@ def unfold(command: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _budget_bytes(run: dict[str, Any], baseline_peak_bytes: int) -> int:
-    from profiler.sizes import parse_bytes
+    from graphfit.profiler.sizes import parse_bytes
 
     kind = run.get("kind", "ratio")
     if kind == "ratio":
@@ -76,11 +76,11 @@ def _budget_bytes(run: dict[str, Any], baseline_peak_bytes: int) -> int:
 
 def _run_model(entry: dict[str, Any], defaults: dict[str, Any]) -> list[dict[str, Any]]:
     """All commands of one model entry; the baseline is measured once and shared."""
-    import models
-    from profiler.trace import print_progress
-    from remat.measure import measure_rewrite, measure_step
-    from remat.pipeline import BudgetError, rematerialize
-    from remat.tf_memory import tf_memory_model
+    from graphfit import models
+    from graphfit.profiler.trace import print_progress
+    from graphfit.remat.measure import measure_rewrite, measure_step
+    from graphfit.remat.pipeline import BudgetError, rematerialize
+    from graphfit.remat.tf_memory import tf_memory_model
 
     steps, warmup = entry.get("steps", defaults["steps"]), entry.get("warmup", defaults["warmup"])
     item = models.build(entry["model"], preset=entry.get("preset", "activations"),
@@ -207,7 +207,7 @@ def run_sweep(config: dict[str, Any], output_dir: str) -> list[dict[str, Any]]:
     Raises:
         SweepConfigError: a malformed config.
     """
-    from profiler.profile import atomic_write_json
+    from graphfit.profiler.profile import atomic_write_json
 
     if not config.get("models"):
         raise SweepConfigError("the config has no 'models' list")

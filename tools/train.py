@@ -1,9 +1,9 @@
 """Build a model's training step, optionally profile it, run it and report.
 
-The Baechi-style entry point (``bazel-bin/train`` or ``python -m tools.train``):
+The Baechi-style entry point (``bazel-bin/train`` or ``python -m graphfit.tools.train``):
 
-    python -m tools.train --model_name=resnet --batch_size=32 --steps=20
-    python -m tools.train --model_name=mlp --costgen --cost_path=out/mlp_costs.json
+    python -m graphfit.tools.train --model_name=resnet --batch_size=32 --steps=20
+    python -m graphfit.tools.train --model_name=mlp --costgen --cost_path=out/mlp_costs.json
 
 It prints the median step time and the peak memory of the step, and writes a JSON report
 (``--report_path``). The passes are ``baechi.optimize``'s: with ``--memory_budget`` or
@@ -93,8 +93,8 @@ def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: s
     virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers')."""
     import tensorflow as tf
 
-    from profiler.session import make_session
-    from profiler.trace import step_fetches
+    from graphfit.profiler.session import make_session
+    from graphfit.profiler.trace import step_fetches
 
     times_ms, losses = [], []
     with make_session(item.graph, num_cpu_devices, target) as session:
@@ -119,8 +119,8 @@ def _device_set(names):
     --comm_cost_path, else --comm_cost_coeffs, else Baechi's GPU fit."""
     import os
 
-    from baechi.devices import DeviceSet
-    from profiler.sizes import parse_bytes
+    from graphfit.baechi.devices import DeviceSet
+    from graphfit.profiler.sizes import parse_bytes
 
     try:
         memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
@@ -136,8 +136,8 @@ def _device_set(names):
 def _budget() -> dict:
     """--memory_budget / --memory_ratio as ``optimize`` keywords (checked here, so a typo is a
     usage error before any work)."""
-    from profiler.sizes import parse_bytes
-    from remat.pipeline import PLANNERS
+    from graphfit.profiler.sizes import parse_bytes
+    from graphfit.remat.pipeline import PLANNERS
 
     if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
         raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")
@@ -162,7 +162,7 @@ def _place_options() -> dict:
 
 def _print_report(result) -> None:
     """One line per pass: planned against measured."""
-    from profiler.trace import print_progress
+    from graphfit.profiler.trace import print_progress
 
     report = result.report()
     remat = report["remat"]
@@ -193,8 +193,8 @@ def _print_report(result) -> None:
 def _profile(item, report: dict):
     """The step's measured costs: --costgen profiles and saves them; --cost_path alone loads
     them for the placer. ``None`` otherwise (the passes profile what they need)."""
-    from profiler.profile import Profile
-    from profiler.trace import print_progress, profile_graph
+    from graphfit.profiler.profile import Profile
+    from graphfit.profiler.trace import print_progress, profile_graph
 
     if FLAGS.costgen:
         profile = profile_graph(item, steps=max(2, FLAGS.steps), warmup=FLAGS.warmup_steps,
@@ -218,11 +218,11 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     """``baechi.optimize`` with the flags' passes, then the measured run of its result."""
     from contextlib import nullcontext
 
-    from baechi import optimize
-    from baechi.lp import LPSolverError
-    from baechi.run import LocalCluster, local_target
-    from baechi.schedule import PlacementError
-    from remat.pipeline import BudgetError
+    from graphfit.baechi import optimize
+    from graphfit.baechi.lp import LPSolverError
+    from graphfit.baechi.run import LocalCluster, local_target
+    from graphfit.baechi.schedule import PlacementError
+    from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
     placing = FLAGS.num_devices > 1
@@ -251,9 +251,9 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
 
 def main(argv):
     del argv
-    import models
-    from profiler.profile import atomic_write_json
-    from profiler.trace import print_progress
+    from graphfit import models
+    from graphfit.profiler.profile import atomic_write_json
+    from graphfit.profiler.trace import print_progress
 
     try:
         item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
