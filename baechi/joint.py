@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place import Placement, place
 from graphfit.baechi.schedule import PlacementError
@@ -170,9 +172,47 @@ def _plan(model, budget_bytes: int | None, heuristic: str, overhead_limit: float
     return True
 
 
+def _feeds_on_first_device(graph, devices: DeviceSet, method: str,
+                           place_options: dict) -> Placement:
+    """Place ``graph`` where devices share one process's memory: the session hands fed
+    tensors to the client's device (the first) whatever device their placeholder is on, so
+    the placeholders go there and the others are placed around them (measured on virtual CPU
+    devices: a feed counts on ``CPU:0``)."""
+    from graphfit.baechi.grouping import tf_colocation_groups
+    from graphfit.baechi.schedule import simulate
+    from graphfit.baechi.units import UnitGraph
+    from graphfit.profiler.cost_graph import CostGraph
+    from graphfit.remat.tf_memory import FEED_OP_TYPES
+
+    feeds = [i for i, op_type in enumerate(graph.op_types) if op_type in FEED_OP_TYPES]
+    feed_bytes = int(graph.persistent_bytes[feeds].sum())
+    specs = graph.to_specs()
+    for i in feeds:
+        specs[i].persistent_bytes = 0
+    limits = devices.memory_bytes.copy()
+    limits[0] -= feed_bytes
+    placement = place(CostGraph.from_ops(specs), devices.with_memory(limits.tolist()),
+                      method=method, **place_options)
+    device_index = placement.device_index.copy()
+    device_index[feeds] = 0
+    schedule = simulate(UnitGraph.singletons(graph, tf_colocation_groups(graph)), devices,
+                        device_index, placement.schedule.order, placement.schedule.memory_model)
+    over = schedule.peak_bytes - devices.memory_bytes
+    if (over > 0).any():
+        d = int(np.argmax(over))
+        raise PlacementError(f"with the feeds on {devices.names[0]} the step peaks at "
+                             f"{int(schedule.peak_bytes[d])} bytes on {devices.names[d]}, "
+                             f"{int(over[d])} over its limit")
+    return dataclasses.replace(placement, graph=graph, devices=devices,
+                               device_index=device_index, schedule=schedule)
+
+
 def _place(graph, devices: DeviceSet, option: Option, place_options: dict) -> None:
     try:
-        placement = place(graph, devices, method=option.method, **place_options)
+        if place_options.get("memory_model") == "shared":
+            placement = _feeds_on_first_device(graph, devices, option.method, place_options)
+        else:
+            placement = place(graph, devices, method=option.method, **place_options)
     except PlacementError as error:
         option.reason = _short(error)
         return
