@@ -390,6 +390,7 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
         say("joint: running the winner (loss and gradients against one device, peaks)")
         report = check_placement(item, placed, winner.placement, target)
     details = {"search": found.to_json(), "searched_s": searched_s,
+               "recomputed_ops": expanded.stats["recomputed_ops"], "placement": report,
                "baseline_peak_bytes": int(baseline.peak_bytes),
                "baseline_step_time_us": baseline.step_time_us}
     record = PassRecord("joint", True, time.perf_counter() - began, details)
