@@ -121,10 +121,13 @@ class JointSearch:
         """Why the winner won, in one paragraph."""
         if self.winner is None:
             closest = min(self.options, key=lambda o: o.ratio or 1.0)
-            return (f"nothing fits: {len(self.options)} options tried; the smallest budget "
-                    f"tried failed because {closest.reason}")
+            return (f"nothing fits: {len(self.options)} remat budgets x placers tried; the "
+                    f"smallest budget, {closest.ratio:.3g} of the peak, failed because "
+                    f"{closest.reason}; placing without remat failed because "
+                    f"{self.place_only.reason}")
         w = self.winner
-        fitting = sorted((o for o in self.options if o.fits), key=lambda o: o.makespan_us)
+        fitting = sorted((o for o in [*self.options, self.place_only] if o.fits),
+                         key=lambda o: o.makespan_us)
         runner_up = next((o for o in fitting if o is not w), None)
         larger = [o for o in self.options if not o.fits and (o.ratio or 1.0) > (w.ratio or 1.0)]
         text = [f"{w.label()} fits every device (simulated peaks "
@@ -137,7 +140,7 @@ class JointSearch:
         if larger:
             text.append(f"{len(larger)} option(s) with less rematerialization did not fit, "
                         f"e.g. {larger[-1].label()}: {larger[-1].reason}.")
-        text.append(f"{len(fitting)} of {len(self.options)} options fit.")
+        text.append(f"{len(fitting)} of {len(self.options) + 1} options fit.")
         return " ".join(text)
 
     def to_json(self) -> dict[str, Any]:
@@ -295,11 +298,13 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
             low, high = (middle, high) if tried[0].fits else (low, middle)
         best = _best(options)
 
-    place_only = Option("place_only", None, None, None)
     alone = [Option("place_only", None, None, method) for method in methods]
     for option in alone:
         _place(model.plan_graph, devices, option, place_options)
     place_only = _best(alone) or alone[0]
+    # Placing the step as it is needs no rewrite, hence none of its ordering edges (which
+    # serialise the backward pass across devices): it competes with the searched options.
+    best = _best([o for o in (best, place_only) if o is not None])
 
     smallest = int(devices.memory_bytes.min())
     remat_only = Option("remat_only", smallest / baseline_peak_bytes, smallest, None)
@@ -316,8 +321,10 @@ def _op_devices(model, option: Option) -> dict[str, str]:
     named as ``remat.rewrite`` names the clones."""
     names = option.placement.devices.names
     cost_names = model.cost_graph.names
+    source = (option.unrolled.source if option.unrolled is not None else
+              [(op, 0) for op in range(model.plan_graph.num_ops)])
     devices = {}
-    for node, (op, version) in enumerate(option.unrolled.source):
+    for node, (op, version) in enumerate(source):
         device = names[int(option.placement.device_index[node])]
         for member in model.members[op]:
             name = cost_names[member]
@@ -380,17 +387,21 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
                              f"{found.explanation()}")
     winner = found.winner
     say(f"joint: {found.explanation()}")
-    expanded = expand_plan(model, winner.plan)
-    expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
-    expanded.stats["recomputed_ops"] = expanded.recomputed_ops(model.cost_graph)
-    placed = apply_placement(rewrite(item, model.cost_graph, expanded), _op_devices(model, winner))
+    expanded, rewritten = None, item
+    if winner.plan is not None:
+        expanded = expand_plan(model, winner.plan)
+        expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
+        expanded.stats["recomputed_ops"] = expanded.recomputed_ops(model.cost_graph)
+        rewritten = rewrite(item, model.cost_graph, expanded)
+    placed = apply_placement(rewritten, _op_devices(model, winner))
     report: dict[str, Any] = {"plan": winner.placement.summary(),
                               "planned_peak_bytes": dict(zip(devices.names, winner.peak_bytes))}
     if verify:
         say("joint: running the winner (loss and gradients against one device, peaks)")
         report = check_placement(item, placed, winner.placement, target)
     details = {"search": found.to_json(), "searched_s": searched_s,
-               "recomputed_ops": expanded.stats["recomputed_ops"], "placement": report,
+               "recomputed_ops": expanded.stats["recomputed_ops"] if expanded else [],
+               "placement": report,
                "baseline_peak_bytes": int(baseline.peak_bytes),
                "baseline_step_time_us": baseline.step_time_us}
     record = PassRecord("joint", True, time.perf_counter() - began, details)

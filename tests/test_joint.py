@@ -149,3 +149,15 @@ def test_report_dir_holds_every_file_a_person_reads(demo):
     summary = (directory / "summary.md").read_text()
     assert "| /device:CPU:3 |" in summary and "place only" in summary
     assert all(f"({name})" in summary for name in REPORT_FILES if name != "summary.md")
+
+
+def test_placing_the_step_as_it_is_competes_with_the_searched_options(chain):
+    """With room to spare, no recomputation and no rewrite (hence no ordering edges) is the
+    fastest option, and the search keeps it."""
+    graph, model = chain
+    peak = checkpoint_all(graph).peak_bytes
+    devices = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], peak, "0.0001754,134")
+    found = search(model, devices, peak, "loss:0", ratios=(1.0, 0.8), progress=False)
+    assert found.place_only.fits
+    assert found.winner.makespan_us <= min(o.makespan_us for o in found.options if o.fits)
+    assert found.winner.makespan_us <= found.place_only.makespan_us
