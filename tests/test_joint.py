@@ -120,12 +120,15 @@ def test_joint_demo_trains_and_measures_what_it_planned(demo):
     place = report["joint"]["placement"]
     assert place["equal_to_single_device"]
     assert not place["over_limit_bytes"]
-    # Planned = measured to the byte on most devices; a device that runs variable updates
-    # early can hold TF's copy-on-write copies of weights the plan does not count (README).
+    # Planned = measured to the byte on most devices in most runs. TF's executor does not
+    # follow the simulated schedule exactly across devices (the forward pass is not pinned,
+    # and a remote reader may run later than simulated on a loaded machine), so a device can
+    # hold one more activation (1 MiB here) than planned, still within its limit.
     for device in place["devices"]:
         planned = place["planned_peak_bytes"][device]
         measured = place["measured_peak_bytes"][device]
-        assert measured == pytest.approx(planned, rel=0.3), (device, planned, measured)
+        assert abs(measured - planned) <= 0.05 * planned + MB, (device, planned, measured)
+        assert measured <= place["limit_bytes"][device]
     assert "place only  does not fit" in result.stderr and "joint       fits" in result.stderr
 
 

@@ -1,4 +1,7 @@
-"""One call for Keras users: a compiled Keras 3 model (no hand-written step) through the passes."""
+"""One call for Keras users: a compiled Keras 3 model (no hand-written step) through the passes.
+
+(Named to run after ``test_profiler``: the traced steps keep the models' variables alive in the
+process's CPU allocator, whose peak ``test_profiler`` compares with a step's own.)"""
 
 import os
 
@@ -11,6 +14,7 @@ import pytest  # noqa: E402
 from graphfit.baechi.keras_fit import KerasFitError, optimize_model  # noqa: E402
 
 BATCH, FEATURES, CLASSES = 1024, 256, 10
+
 
 
 def _model(seed=5):
