@@ -374,7 +374,7 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
     place_options = {"memory_model": "shared" if target.kind == "virtual_cpu" else "liveness",
                      **(place_options or {})}
     began = time.perf_counter()
-    say(f"joint: measuring the step on one device")
+    say("joint: measuring the step on one device")
     baseline = measure_step(item, steps=3, warmup=1)
     model = tf_memory_model(item, baseline.profile)
     say(f"joint: single-device peak {baseline.peak_bytes / 2**20:.1f} MiB; searching "

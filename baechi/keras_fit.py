@@ -109,8 +109,9 @@ def _budget_message(error: BudgetError, memory_budget, memory_ratio,
     asked = (f"memory_ratio={memory_ratio}" if memory_ratio is not None
              else f"memory_budget={memory_budget}")
     if error.minimum_bytes > error.budget_bytes:
+        scale = error.minimum_bytes / error.budget_bytes
         smallest = (f"memory_budget >= {error.minimum_bytes}" if memory_ratio is None else
-                    f"memory_ratio >= {memory_ratio * error.minimum_bytes / error.budget_bytes:.2f}")
+                    f"memory_ratio >= {memory_ratio * scale:.2f}")
         return (f"{asked} ({error.budget_bytes / 2**20:.1f} MiB) is below what "
                 f"rematerialization can reach for this model and batch "
                 f"({error.minimum_bytes / 2**20:.1f} MiB): pass {smallest} or a smaller batch")
