@@ -114,9 +114,14 @@ def test_joint_demo_trains_and_measures_what_it_planned(demo):
     out, result = demo
     report = json.loads((out / "train.json").read_text())
     search_report = report["joint"]["search"]
-    assert not search_report["place_only"]["fits"]
+    # One device cannot hold the step (6 MiB at the least, rematerialized), four can. Whether
+    # placing without remat fits too depends on the measured op times the placer schedules by
+    # (it misses by a few hundred KiB or fits, from run to run): then it must not beat the
+    # winner. test_search_fits_where_neither_one_pass_option_does pins that case down.
     assert not search_report["remat_only"]["fits"]
-    assert search_report["winner"]["fits"] and search_report["winner"]["num_recomputes"] > 0
+    winner, place_only = search_report["winner"], search_report["place_only"]
+    assert winner["fits"]
+    assert not place_only["fits"] or winner["makespan_us"] <= place_only["makespan_us"]
     place = report["joint"]["placement"]
     assert place["equal_to_single_device"]
     assert not place["over_limit_bytes"]
@@ -129,7 +134,7 @@ def test_joint_demo_trains_and_measures_what_it_planned(demo):
         measured = place["measured_peak_bytes"][device]
         assert abs(measured - planned) <= 0.05 * planned + MB, (device, planned, measured)
         assert measured <= place["limit_bytes"][device]
-    assert "place only  does not fit" in result.stderr and "joint       fits" in result.stderr
+    assert "place only  " in result.stderr and "joint       fits" in result.stderr
 
 
 @pytest.mark.slow
@@ -146,9 +151,12 @@ def test_report_dir_holds_every_file_a_person_reads(demo):
     trace = json.loads((directory / "schedule_trace.json").read_text())
     processes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert processes == {f"/device:CPU:{i}" for i in range(4)}
-    assert any("/remat_" in e["name"] for e in trace["traceEvents"] if e["ph"] == "X")
+    recomputed = data["joint"]["recomputed_ops"]
+    assert any("/remat_" in e["name"] for e in trace["traceEvents"] if e["ph"] == "X") == bool(
+        recomputed)
     plan = (directory / "remat_plan.md").read_text()
-    assert plan.count("\n| `") == len(data["joint"]["recomputed_ops"]) > 0
+    assert plan.count("\n| `") == len(recomputed)
+    assert recomputed or "Nothing is recomputed" in plan
     summary = (directory / "summary.md").read_text()
     assert "| /device:CPU:3 |" in summary and "place only" in summary
     assert all(f"({name})" in summary for name in REPORT_FILES if name != "summary.md")
