@@ -1,6 +1,6 @@
 """Memory models of a placed step: what a device must hold, and its exact peak.
 
-Two models, selectable everywhere a placement is made:
+Three models, selectable everywhere a placement is made:
 
 - ``"static"`` (Baechi, Jeon et al., SoCC 2020, §3.2): every byte an op brings to a device —
   its outputs, temporary and persistent bytes, and every received copy of an input — is held for
@@ -11,6 +11,11 @@ Two models, selectable everywhere a placement is made:
   and its last transfer out has ended (an output nobody reads dies with its producer); a received
   copy from its transfer's start until its last consumer on the receiving device has finished.
   Releases at a time happen before allocations at the same time (one op's end, the next's start).
+- ``"shared"``: liveness where devices share one memory and read each other's tensors in place
+  (TensorFlow's virtual CPU devices of one process pass tensors zero-copy, and the allocator's
+  records charge a buffer to the device of the op that allocated it): a transfer makes no copy,
+  and an output stays on its producer's device until its last reader on any device finished.
+  What runs on virtual CPU devices is measured in this model.
 
 ``device_peak_bytes`` computes the exact per-device peak of a finished schedule under either
 model; the placers' fit test during list scheduling is described in ``baechi.schedule``.
@@ -25,9 +30,10 @@ import numpy as np
 if TYPE_CHECKING:
     from graphfit.baechi.schedule import Schedule
 
-__all__ = ["MEMORY_MODELS", "MemoryModelError", "check_memory_model", "device_peak_bytes"]
+__all__ = ["MEMORY_MODELS", "MemoryModelError", "check_memory_model", "device_peak_bytes",
+           "device_timelines"]
 
-MEMORY_MODELS = ("liveness", "static")
+MEMORY_MODELS = ("liveness", "static", "shared")
 
 
 class MemoryModelError(ValueError):
@@ -75,31 +81,62 @@ def device_peak_bytes(schedule: "Schedule") -> np.ndarray:
                               minlength=num_devices))
         return held.astype(np.int64)
 
+    peaks = [int(level.max(initial=0)) for _, level in _liveness_levels(s)]
+    return np.maximum(np.array(peaks, dtype=np.int64), 0) + persistent.astype(np.int64)
+
+
+def _liveness_levels(s: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per device, the times of its allocations and releases under the liveness model and the
+    bytes in use (persistent bytes excluded) after each, releases first at equal times."""
+    units, num_devices, device = s.units, len(s.devices), s.device
     num_t = units.num_tensors
-    # Last use of each (tensor, device) copy: local consumers' finish, transfers out.
+    shared = s.memory_model == "shared"
+    # Last use of each (tensor, device) copy: local consumers' finish, transfers out; with
+    # shared memory, of the one buffer: every consumer's finish.
     last = np.full(num_t * num_devices, -np.inf)
     pair_t, pair_u = units.consumer_pairs()
-    np.maximum.at(last, pair_t * num_devices + device[pair_u], s.finish_us[pair_u])
-    np.maximum.at(last, s.transfer_tensor * num_devices + s.transfer_src, s.transfer_end_us)
     producer = units.tensor_producer
+    reader_device = device[producer[pair_t]] if shared else device[pair_u]
+    np.maximum.at(last, pair_t * num_devices + reader_device, s.finish_us[pair_u])
+    np.maximum.at(last, s.transfer_tensor * num_devices + s.transfer_src, s.transfer_end_us)
     out_key = np.arange(num_t) * num_devices + device[producer]
     out_end = np.maximum(last[out_key], s.finish_us[producer])
-    copy_end = last[s.transfer_tensor * num_devices + s.transfer_dst]
+    copies = np.zeros(0, dtype=np.int64) if shared else s.transfer_tensor
+    copy_end = last[copies * num_devices + s.transfer_dst[:len(copies)]]
 
     dev = np.concatenate([device, device, device[producer], device[producer],
-                          s.transfer_dst, s.transfer_dst])
+                          s.transfer_dst[:len(copies)], s.transfer_dst[:len(copies)]])
     time = np.concatenate([s.start_us, s.finish_us, s.start_us[producer], out_end,
-                           s.transfer_start_us, copy_end])
+                           s.transfer_start_us[:len(copies)], copy_end])
     tb = units.tensor_bytes
-    cb = units.tensor_bytes[s.transfer_tensor]
+    cb = units.tensor_bytes[copies]
     delta = np.concatenate([units.temp_bytes, -units.temp_bytes, tb, -tb, cb, -cb])
     keep = delta != 0
     dev, time, delta = dev[keep], time[keep], delta[keep]
-    peaks = np.zeros(num_devices, dtype=np.int64)
     order = np.lexsort((delta, time, dev))
-    dev, delta = dev[order], delta[order]
+    dev, time, delta = dev[order], time[order], delta[order]
     bounds = np.searchsorted(dev, np.arange(num_devices + 1))
-    for d in range(num_devices):
-        level = np.cumsum(delta[bounds[d]:bounds[d + 1]])
-        peaks[d] = max(int(level.max()), 0) if len(level) else 0
-    return peaks + persistent.astype(np.int64)
+    return [(time[bounds[d]:bounds[d + 1]], np.cumsum(delta[bounds[d]:bounds[d + 1]]))
+            for d in range(num_devices)]
+
+
+def device_timelines(schedule: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per device, its memory over the simulated step: ``(times_us, bytes_in_use)`` after each
+    allocation or release, persistent bytes included (the step starts at time 0 with them).
+
+    Parameters:
+        schedule: a finished ``baechi.schedule.Schedule``.
+
+    Returns:
+        One pair of equal-length arrays per device; the largest ``bytes_in_use`` is the
+        device's ``device_peak_bytes``.
+    """
+    s = schedule
+    persistent = np.bincount(s.device, weights=s.units.persistent_bytes,
+                             minlength=len(s.devices)).astype(np.int64)
+    if s.memory_model == "static":
+        peaks = device_peak_bytes(s)
+        return [(np.array([0.0, s.makespan_us]), np.array([peaks[d], peaks[d]]))
+                for d in range(len(s.devices))]
+    return [(np.concatenate([[0.0], times]), persistent[d] + np.concatenate([[0], level]))
+            for d, (times, level) in enumerate(_liveness_levels(s))]

@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.place_and_run import place_and_check, place_item
+from graphfit.baechi.place_and_run import check_placement, place_item
 from graphfit.baechi.run import RunTarget
+from graphfit.baechi.schedule import Schedule
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.trace import print_progress, profile_graph
@@ -53,11 +54,21 @@ class OptimizeResult:
     plan: RematPlan | None
     placement: dict[str, Any] | None
     passes: list[PassRecord]
+    schedule: Schedule | None = None     # the planned step on the devices (placement)
 
     def report(self) -> dict[str, Any]:
         """JSON-ready: one entry per pass."""
         return {p.name: {"changed": p.changed, "seconds": round(p.seconds, 3), **p.details}
                 for p in self.passes}
+
+    def save(self, directory: str, extra: dict[str, Any] | None = None) -> list[str]:
+        """Write the report a person reads into ``directory`` (``baechi.report``): the JSON,
+        memory per device planned against measured, the placement as a Gantt chart, the remat
+        plan, the schedule as a Chrome trace, and ``summary.md``. ``extra`` joins the JSON.
+        Returns the paths written."""
+        from graphfit.baechi.report import write_report
+
+        return write_report(self, directory, extra)
 
 
 def _remat_pass(item: GraphItem, budget_bytes: int | None, budget_ratio: float | None,
@@ -131,7 +142,7 @@ def optimize(item: GraphItem, *,
     if memory_budget is not None and memory_ratio is not None:
         raise ValueError("give one of memory_budget and memory_ratio, not both")
     say = progress or (lambda _: None)
-    records, plan, placement = [], None, None
+    records, plan, placement, schedule = [], None, None, None
     num_cpu_devices = target.num_cpu_devices if target is not None else 1
 
     begin = time.perf_counter()
@@ -159,12 +170,10 @@ def optimize(item: GraphItem, *,
         say(f"place: {len(target.devices)} devices ({target.kind})")
         if profile is None:
             profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
-        options = place_options or {}
-        if verify:
-            item, placement = place_and_check(item, target, devices, profile, **options)
-        else:
-            item, placed = place_item(item, devices, profile, **options)
-            placement = {"plan": placed.summary()}
+        placed_item, placed = place_item(item, devices, profile, **(place_options or {}))
+        placement = (check_placement(item, placed_item, placed, target) if verify else
+                     {"plan": placed.summary()})
+        item, schedule = placed_item, placed.schedule
         records.append(PassRecord("place", True, time.perf_counter() - begin, placement))
         say(f"place: planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms")
-    return OptimizeResult(item, plan, placement, records)
+    return OptimizeResult(item, plan, placement, records, schedule)

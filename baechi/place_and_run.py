@@ -23,7 +23,7 @@ from graphfit.profiler.step_compare import compare_steps
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.profiler.trace import step_fetches
 
-__all__ = ["place_item", "place_and_check"]
+__all__ = ["place_item", "place_and_check", "check_placement"]
 
 
 def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = None,
@@ -74,25 +74,55 @@ def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,
         profiler.step_compare.StepMismatchError: the placed step's loss or gradients differ.
         baechi.run.DeviceMismatchError: the run's devices do not line up with the placement.
     """
+    _check_devices(devices, run_target)
+    placed, placement = place_item(item, devices, profile, **place_options)
+    return placed, check_placement(item, placed, placement, run_target)
+
+
+def _check_devices(devices: DeviceSet, run_target: RunTarget) -> None:
     if list(devices.names) != list(run_target.devices):
         raise ValueError(f"the device set {devices.names} is not the run target's devices "
                          f"{list(run_target.devices)}")
-    placed, placement = place_item(item, devices, profile, **place_options)
+
+
+def check_placement(item: GraphItem, placed: GraphItem, placement: Placement,
+                    run_target: RunTarget) -> dict:
+    """Check a placed step against the single-device step and measure it against its plan.
+
+    Parameters:
+        item: the step before placement (the reference).
+        placed: ``item`` (or a rewrite of it that computes the same) with the placement's
+            devices written in.
+        placement: the plan (its devices' names are ``run_target``'s).
+        run_target: where the placed step runs.
+
+    Returns:
+        The report of ``place_and_check``, plus ``measured_timeline_bytes``: per device its
+        measured memory over the step as ``[microseconds, bytes]`` pairs.
+
+    Raises:
+        ValueError: the placement's devices are not ``run_target``'s.
+        profiler.step_compare.StepMismatchError: the placed step's loss or gradients differ.
+        baechi.run.DeviceMismatchError: the run's devices do not line up with the placement.
+    """
+    devices = placement.devices
+    _check_devices(devices, run_target)
     comparison = compare_steps(item, placed, run_target.session, rtol=PLACEMENT_RTOL)
     comparison.check()
     limits = {name: int(limit) for name, limit in zip(devices.names, devices.memory_bytes)}
     measured = measure_placed_run(placed, run_target, limits, steps=1, warmup=1, trace_every=1)
     summary = placement.summary()
     names = list(devices.names)
-    report = {
+    return {
         "plan": summary, "target": run_target.kind, "devices": names,
         "ops_per_device": dict(zip(names, summary["ops_per_device"])),
         "planned_peak_bytes": dict(zip(names, summary["peak_bytes"])),
         "limit_bytes": limits,
         "measured_peak_bytes": measured.peak_bytes,
         "over_limit_bytes": measured.over_limit_bytes,
+        "measured_timeline_bytes": {name: [[float(t), int(b)] for t, b in timeline]
+                                    for name, timeline in measured.timelines.items()},
         "loss_single_device": comparison.loss_reference, "loss_placed": comparison.loss_candidate,
         "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
         "equal_to_single_device": comparison.equal,
     }
-    return placed, report

@@ -246,6 +246,8 @@ class PlacedRun:
         peak_bytes: placement device name -> peak bytes replayed from allocation records.
         limit_bytes: placement device name -> its limit (devices without a limit absent).
         stats_devices: placement device name -> the device name TF's step stats used.
+        timelines: placement device name -> its memory over the traced step with the highest
+            peak, ``(microseconds since the step began, bytes in use)`` pairs.
     """
 
     step_time_ms_median: float
@@ -253,6 +255,7 @@ class PlacedRun:
     peak_bytes: dict[str, int]
     limit_bytes: dict[str, int]
     stats_devices: dict[str, str]
+    timelines: dict[str, list[tuple[float, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def over_limit_bytes(self) -> dict[str, int]:
@@ -340,4 +343,5 @@ def measure_placed_run(placed: GraphItem, run_target: RunTarget,
         step_time_ms_median=statistics.median(times_ms) if times_ms else float("nan"),
         step_times_ms=times_ms,
         peak_bytes={d: profile.devices[s].peak_bytes for d, s in matches.items()},
-        limit_bytes=dict(limit_bytes or {}), stats_devices=matches)
+        limit_bytes=dict(limit_bytes or {}), stats_devices=matches,
+        timelines={d: profile.devices[s].timeline for d, s in matches.items()})

@@ -125,7 +125,9 @@ class ScheduleBuilder:
         check_memory_model(memory_model)
         self.monotone = monotone
         self.units, self.devices = units, devices
-        self.liveness = memory_model == "liveness"
+        # The fit test of "shared" is liveness's (a received copy is charged: conservative on
+        # the reader, optimistic on the producer; place() re-checks the exact peaks).
+        self.liveness = memory_model in ("liveness", "shared")
         self.memory_model = memory_model
         n, d = units.num_units, len(devices)
         self.num_devices = d

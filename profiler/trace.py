@@ -31,13 +31,13 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import DeviceMemory, OpCost, Profile, graph_fingerprint
+from graphfit.profiler.progress import progress_bar
 from graphfit.profiler.session import make_session
 from graphfit.profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_operations
 
@@ -206,7 +206,7 @@ def profile_from_run_metadata(graph: tf.Graph, runs: list[tf.compat.v1.RunMetada
 
 def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every: int = 2,
                   num_cpu_devices: int = 1, target: str = "",
-                  progress: Callable[[str], None] | None = print_progress) -> Profile:
+                  progress: bool | None = True) -> Profile:
     """Run ``item``'s training step and measure it.
 
     Args:
@@ -215,7 +215,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         warmup: untraced steps first (allocator and kernel caches settle).
         num_cpu_devices: virtual CPU devices of the session (for placed graphs).
         target: a ``grpc://`` address to profile on a TF cluster, or local.
-        progress: called with a line per step; ``None`` for silence.
+        progress: a progress bar over the steps on a terminal (never in logs); ``None`` or
+            ``False`` for none.
 
     Returns:
         The profile; its ``coverage`` is the fraction of the step's ops measured.
@@ -230,7 +231,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     with make_session(item.graph, num_cpu_devices, target) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
-        for k in range(warmup + steps):
+        for k in progress_bar(range(warmup + steps), f"profile {item.name or 'graph'}",
+                              enabled=bool(progress)):
             traced = k >= warmup and (k - warmup) % trace_every == 0
             metadata = tf.compat.v1.RunMetadata()
             with AllocatorPeak(enabled=traced and not target) as allocator:
@@ -244,10 +246,6 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                 runs.append(metadata)
                 if allocator.bytes is not None:
                     allocator_peaks.append(allocator.bytes)
-            if progress:
-                phase = "warm-up" if k < warmup else ("traced" if traced else "timed")
-                progress(f"profile {item.name or 'graph'}: step {k + 1}/{warmup + steps} "
-                         f"({phase}) {elapsed_us / 1000:.1f} ms")
     costs, devices = profile_from_run_metadata(item.graph, runs, op_names)
     for name, value in item.feeds.items():
         op_name = name.split(":")[0]

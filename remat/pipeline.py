@@ -174,4 +174,5 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     planned.peak_bytes = tf_peak_bytes(model, planned)
     plan = expand_plan(model, planned)
     plan.stats["baseline_peak_bytes"] = int(baseline_bytes)
+    plan.stats["recomputed_ops"] = plan.recomputed_ops(model.cost_graph)
     return rewrite(item, model.cost_graph, plan), plan

@@ -15,8 +15,12 @@ an op is only (re)computed when every tensor it reads is resident.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["Event", "RematPlan", "COMPUTE", "RECOMPUTE", "FREE"]
 
@@ -61,6 +65,16 @@ class RematPlan:
     @property
     def num_recomputes(self) -> int:
         return sum(1 for e in self.events if e.kind == RECOMPUTE)
+
+    def recomputed_ops(self, graph: "CostGraph") -> list[dict[str, Any]]:
+        """Per op this plan recomputes (over ``graph``, the graph it was made for): name, type,
+        how often, and the compute time and output bytes of one recomputation: what the plan
+        pays to free those bytes early. Dearest first."""
+        counts = collections.Counter(e.index for e in self.events if e.kind == RECOMPUTE)
+        rows = [{"op": graph.names[i], "op_type": graph.op_types[i], "times": n,
+                 "compute_us": float(graph.compute_us[i]),
+                 "output_bytes": int(graph.output_bytes(i).sum())} for i, n in counts.items()]
+        return sorted(rows, key=lambda row: (-row["times"] * row["compute_us"], row["op"]))
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -59,6 +59,7 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from graphfit.remat.recompute_graph import clone_name
 from graphfit.remat.tf_memory import IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
@@ -69,9 +70,6 @@ class RematRewriteError(ValueError):
     """A plan cannot be lowered into the graph (unsafe clone, mismatched graph, cycle)."""
 
 
-def clone_name(op_name: str, version: int) -> str:
-    """Name of the ``version``-th recomputation (1-based) of op ``op_name``."""
-    return f"{op_name}/remat_{version}"
 
 
 def check_recomputable(cost_graph: CostGraph, op: int) -> None:

@@ -60,9 +60,9 @@ from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.plan import FREE, Event, RematPlan
 
 __all__ = ["MemoryModel", "StepTrace", "trace_step", "tf_memory_model", "expand_plan",
-           "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES"]
+           "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES", "FEED_OP_TYPES"]
 
-_FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 # Ops whose outputs are their inputs, unchanged: views of the input buffers.
 IDENTITY_OP_TYPES = frozenset({"Identity", "IdentityN"})
 
@@ -194,7 +194,7 @@ def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
     """Rewrite ``spec``'s bytes in place (rules in the module docstring); return, per output
     port whose buffer is an input's, that input ``(producer, port)``."""
     output_bytes = list(spec.output_bytes)
-    if spec.op_type in _FEED_OP_TYPES or spec.op_type == "Const":
+    if spec.op_type in FEED_OP_TYPES or spec.op_type == "Const":
         spec.persistent_bytes += sum(output_bytes)
         spec.output_bytes = [0] * len(output_bytes)
         return {}

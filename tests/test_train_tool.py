@@ -21,7 +21,8 @@ def test_costgen_writes_profile_and_report(tmp_path):
                     f"--report_path={tmp_path}/report.json", cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step time" in result.stdout
-    assert "profile mlp: step" in result.stderr          # progress lines
+    assert "profile: 100.0% of" in result.stderr         # the profile's summary line
+    assert "profile mlp" not in result.stderr            # no progress bar in a log
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["model"] == "mlp" and len(report["run"]["losses"]) == 3
     assert report["profile"]["coverage"] >= 0.95

@@ -65,6 +65,17 @@ flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favo
 flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
 flags.DEFINE_enum("cluster", "local", ["local", "grpc"], "Where --num_devices > 1 runs: "
                   "this process (GPUs or virtual CPUs) or local TF gRPC worker processes.")
+flags.DEFINE_boolean("joint", False, "With --num_devices > 1: decide the remat budget and the "
+                     "placement together (baechi.joint): the fastest simulated step that fits "
+                     "every device of --device_memory; compares with remat only and place only.")
+flags.DEFINE_list("joint_ratios", None, "With --joint: remat budgets to search, as fractions of "
+                  "the measured peak (default: baechi.joint.DEFAULT_RATIOS).")
+flags.DEFINE_list("joint_methods", None, "With --joint: placers to search (default: "
+                  "baechi.joint.DEFAULT_METHODS).")
+flags.DEFINE_string("report_dir", None, "Also write a report a person reads into this "
+                    "directory: the JSON, memory per device planned vs measured, the placement "
+                    "as a Gantt chart, the remat plan, the schedule as a Chrome trace, "
+                    "summary.md.")
 
 
 def _model_kwargs() -> dict:
@@ -192,6 +203,49 @@ def _print_report(result) -> None:
             f"device: {placement['equal_to_single_device']}")
 
 
+def _print_joint(result) -> None:
+    """The search's verdict, the two one-pass alternatives, and per device the planned and
+    measured peaks side by side."""
+    from graphfit.profiler.trace import print_progress
+
+    search = result.report()["joint"]["search"]
+
+    def line(name, option):
+        if not option["fits"]:
+            return f"  {name:<11} does not fit: {option['reason']}"
+        return (f"  {name:<11} fits: simulated step {option['makespan_us'] / 1000:.1f} ms, "
+                f"{option['num_recomputes']} recomputations (compute x{option['overhead']:.2f})"
+                + (f", remat budget {option['ratio']:.3g} of the peak" if option["ratio"] else "")
+                + (f", {option['method']}" if option["method"] else ", one device"))
+
+    print_progress(f"single device: peak {search['baseline_peak_bytes'] / 2**20:.1f} MiB; "
+                   f"devices hold {min(search['limit_bytes']) / 2**20:.1f} MiB each")
+    for name, key in (("place only", "place_only"), ("remat only", "remat_only"),
+                      ("joint", "winner")):
+        print_progress(line(name, search[key]))
+    placement = result.placement
+    for name in placement["devices"]:
+        print_progress(
+            f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
+            f"{placement['planned_peak_bytes'][name] / 2**20:.2f} MiB, measured "
+            f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.2f} MiB, limit "
+            f"{placement['limit_bytes'][name] / 2**20:.2f} MiB")
+    print_progress(f"loss/gradients equal to 1 device: {placement['equal_to_single_device']}")
+
+
+def _joint_options() -> dict:
+    """--joint_ratios / --joint_methods as ``baechi.joint.fit_devices`` keywords."""
+    from graphfit.baechi import joint
+
+    try:
+        ratios = [float(r) for r in FLAGS.joint_ratios or joint.DEFAULT_RATIOS]
+    except ValueError as error:
+        raise app.UsageError(f"--joint_ratios: {error}") from error
+    return {"ratios": ratios, "methods": FLAGS.joint_methods or joint.DEFAULT_METHODS,
+            "heuristic": FLAGS.remat_heuristic, "overhead_limit": FLAGS.remat_overhead_limit,
+            "place_options": _place_options()}
+
+
 def _profile(item, report: dict):
     """The step's measured costs: --costgen profiles and saves them; --cost_path alone loads
     them for the placer. ``None`` otherwise (the passes profile what they need)."""
@@ -221,34 +275,45 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     from contextlib import nullcontext
 
     from graphfit.baechi import optimize
+    from graphfit.baechi.joint import fit_devices
     from graphfit.baechi.lp import LPSolverError
     from graphfit.baechi.run import LocalCluster, local_target
     from graphfit.baechi.schedule import PlacementError
+    from graphfit.profiler.trace import print_progress
     from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
     placing = FLAGS.num_devices > 1
+    if FLAGS.joint and (not placing or budget["memory_budget"] or budget["memory_ratio"]):
+        raise app.UsageError("--joint searches the remat budget itself over --num_devices > 1 "
+                             "devices: give --num_devices and --device_memory, not "
+                             "--memory_budget or --memory_ratio")
     grpc = placing and FLAGS.cluster == "grpc"
     with LocalCluster(FLAGS.num_devices) if grpc else nullcontext() as cluster:
         target = cluster.run_target if grpc else local_target(FLAGS.num_devices)
+        devices = _device_set(list(target.devices)) if placing else None
         try:
-            result = optimize(item, **budget, target=target,
-                              devices=_device_set(list(target.devices)) if placing else None,
-                              profile=profile, place_options=_place_options())
+            if FLAGS.joint:
+                result = fit_devices(item, target, devices, **_joint_options(),
+                                     progress=print_progress)
+            else:
+                result = optimize(item, **budget, target=target, devices=devices,
+                                  profile=profile, place_options=_place_options())
         except BudgetError as error:
             raise app.UsageError(str(error)) from error
         except (PlacementError, LPSolverError) as error:
             raise SystemExit(f"placement failed: {error}") from error
         report.update(result.report())
-        _print_report(result)
+        (_print_joint if FLAGS.joint else _print_report)(result)
         if placing:
-            report["place"]["single_device_step_time_ms_median"] = run_steps(
-                item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
+            single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
+            report["joint" if FLAGS.joint else "place"]["single_device_step_time_ms_median"] = \
+                single
         run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
                         target.target)
     if placing:  # the shared allocator cannot tell devices apart: report the worst device
         run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
-    return run
+    return run, result
 
 
 def main(argv):
@@ -267,8 +332,13 @@ def main(argv):
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
               "graph_ops": num_ops, "num_devices": FLAGS.num_devices}
     profile = _profile(item, report)
-    result = report["run"] = _optimize_and_run(item, profile, report)
+    result, optimized = _optimize_and_run(item, profile, report)
+    report["run"] = result
     atomic_write_json(FLAGS.report_path, report)
+    if FLAGS.report_dir:
+        optimized.save(FLAGS.report_dir, extra={"run": result, "model": item.name,
+                                                "config": item.config})
+        print_progress(f"report: {FLAGS.report_dir}/summary.md")
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
           f"{FLAGS.steps}), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
           f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; "

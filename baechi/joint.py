@@ -1,0 +1,409 @@
+"""Joint rematerialization and placement: how much to recompute and where each op goes, together.
+
+``baechi.optimize`` runs its passes one after the other: rematerialize to one budget, then place.
+The user's question is another one: "here are N devices of M bytes each; make my step fit and
+run fast". Recomputing more lowers every device's memory but lengthens the step; recomputing
+less leaves more for the placer to spread, at the price of transfers or of not fitting at all.
+``search`` explores that trade-off on the IR alone:
+
+1. for each remat budget (a fraction of the measured single-device peak, from no
+   rematerialization down to the planner's minimum), plan with a DTR planner on the
+   calibrated planning graph (``remat.tf_memory.MemoryModel.plan_graph``);
+2. unroll the plan into the graph the rewritten step will run (``remat.recompute_graph``);
+3. place it with each placer (``baechi.place``: m-ETF, m-TOPO, ...) under every device's limit;
+   the placer's liveness model replays each device's memory over the simulated step;
+4. keep the option with the shortest simulated makespan that fits every device; then bisect
+   the budget between the winner and the next larger budget that did not fit, since the
+   largest budget that still places usually recomputes least.
+
+Two one-pass options are simulated beside it for comparison: **place only** (the step as it is,
+on the devices) and **remat only** (rematerialized to the smallest device's memory, run on that
+one device). ``fit_devices`` measures the step once, runs the search, and builds and runs only
+the winner in TensorFlow: rewrite, apply the placement, check the loss and gradients against
+the original step, and measure every device's peak against the plan.
+
+References:
+    Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021 (the remat planners);
+    Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020 (the
+    memory-constrained placers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.place import Placement, place
+from graphfit.baechi.schedule import PlacementError
+from graphfit.profiler.progress import progress_bar
+from graphfit.remat.pipeline import BudgetError, plan_for_budget
+from graphfit.remat.plan import RematPlan
+from graphfit.remat.recompute_graph import RecomputeGraph, clone_name, recompute_graph
+
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_METHODS", "Option", "JointSearch", "search",
+           "fit_devices"]
+
+# Remat budgets tried, as fractions of the measured single-device peak (1.0: no remat).
+DEFAULT_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15)
+DEFAULT_METHODS = ("m_etf", "m_topo")
+REFINE_STEPS = 3
+
+
+@dataclasses.dataclass
+class Option:
+    """One simulated option: a remat budget (or none) and a placement (or one device).
+
+    Attributes:
+        kind: ``"joint"`` (searched), ``"place_only"`` or ``"remat_only"``.
+        ratio: the remat budget as a fraction of the single-device peak (``None``: no remat).
+        budget_bytes: the remat budget.
+        method: the placer (``None``: one device, no placement).
+        fits: every device holds its part of the step.
+        reason: why it does not fit (empty when it does).
+        makespan_us: the simulated step time (``None`` when it does not fit).
+        peak_bytes: simulated peak per device.
+        remat_peak_bytes, overhead, num_recomputes: the remat plan's single-device peak
+            (TF-calibrated), compute multiple and recomputations.
+        plan, unrolled, placement: the objects behind the numbers (not serialized).
+    """
+
+    kind: str
+    ratio: float | None
+    budget_bytes: int | None
+    method: str | None
+    fits: bool = False
+    reason: str = ""
+    makespan_us: float | None = None
+    peak_bytes: list[int] | None = None
+    remat_peak_bytes: int | None = None
+    overhead: float = 1.0
+    num_recomputes: int = 0
+    plan: RematPlan | None = dataclasses.field(default=None, repr=False)
+    unrolled: RecomputeGraph | None = dataclasses.field(default=None, repr=False)
+    placement: Placement | None = dataclasses.field(default=None, repr=False)
+
+    def label(self) -> str:
+        budget = "no remat" if self.ratio is None else f"remat to {self.ratio:.3g} of the peak"
+        where = f"{self.method} over the devices" if self.method else "one device"
+        return f"{budget}, {where}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("plan", "unrolled", "placement")}
+
+
+@dataclasses.dataclass
+class JointSearch:
+    """What the search tried and what won.
+
+    Attributes:
+        options: every joint option simulated, in the order tried.
+        winner: the fitting option with the shortest makespan (``None``: nothing fits).
+        place_only: the best placement of the step without remat.
+        remat_only: the step rematerialized to the smallest device, on that device.
+        baseline_peak_bytes: the measured single-device peak the ratios refer to.
+        devices: the devices searched over.
+    """
+
+    options: list[Option]
+    winner: Option | None
+    place_only: Option
+    remat_only: Option
+    baseline_peak_bytes: int
+    devices: DeviceSet
+
+    def explanation(self) -> str:
+        """Why the winner won, in one paragraph."""
+        if self.winner is None:
+            closest = min(self.options, key=lambda o: o.ratio or 1.0)
+            return (f"nothing fits: {len(self.options)} remat budgets x placers tried; the "
+                    f"smallest budget, {closest.ratio:.3g} of the peak, failed because "
+                    f"{closest.reason}; placing without remat failed because "
+                    f"{self.place_only.reason}")
+        w = self.winner
+        fitting = sorted((o for o in [*self.options, self.place_only] if o.fits),
+                         key=lambda o: o.makespan_us)
+        runner_up = next((o for o in fitting if o is not w), None)
+        larger = [o for o in self.options if not o.fits and (o.ratio or 1.0) > (w.ratio or 1.0)]
+        text = [f"{w.label()} fits every device (simulated peaks "
+                f"{', '.join(f'{b / 2**20:.1f}' for b in w.peak_bytes)} MiB of "
+                f"{', '.join(f'{b / 2**20:.1f}' for b in self.devices.memory_bytes)} MiB) with "
+                f"the shortest simulated step, {w.makespan_us / 1000:.2f} ms "
+                f"({w.num_recomputes} recomputations, compute x{w.overhead:.2f})."]
+        if runner_up is not None:
+            text.append(f"Next best: {runner_up.label()}, {runner_up.makespan_us / 1000:.2f} ms.")
+        if larger:
+            text.append(f"{len(larger)} option(s) with less rematerialization did not fit, "
+                        f"e.g. {larger[-1].label()}: {larger[-1].reason}.")
+        text.append(f"{len(fitting)} of {len(self.options) + 1} options fit.")
+        return " ".join(text)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"baseline_peak_bytes": self.baseline_peak_bytes,
+                "devices": list(self.devices.names),
+                "limit_bytes": self.devices.memory_bytes.tolist(),
+                "options": [o.to_json() for o in self.options],
+                "winner": None if self.winner is None else self.winner.to_json(),
+                "place_only": self.place_only.to_json(),
+                "remat_only": self.remat_only.to_json(),
+                "explanation": self.explanation()}
+
+
+def _short(error: Exception) -> str:
+    return str(error).split(". ")[0]
+
+
+def _plan(model, budget_bytes: int | None, heuristic: str, overhead_limit: float,
+          loss: str | None, option: Option) -> bool:
+    """Fill ``option``'s plan and remat numbers; ``False`` (with a reason) when none fits."""
+    from graphfit.remat.tf_memory import tf_peak_bytes
+
+    try:
+        plan = plan_for_budget(model.plan_graph, budget_bytes, heuristic, overhead_limit, loss)
+    except BudgetError as error:
+        option.reason = _short(error)
+        return False
+    plan.stats["replay_peak_bytes"] = plan.peak_bytes
+    plan.peak_bytes = tf_peak_bytes(model, plan)
+    option.plan, option.remat_peak_bytes = plan, int(plan.peak_bytes)
+    option.overhead, option.num_recomputes = plan.overhead, plan.num_recomputes
+    return True
+
+
+def _feeds_on_first_device(graph, devices: DeviceSet, method: str,
+                           place_options: dict) -> Placement:
+    """Place ``graph`` where devices share one process's memory: the session hands fed
+    tensors to the client's device (the first) whatever device their placeholder is on, so
+    the placeholders go there and the others are placed around them (measured on virtual CPU
+    devices: a feed counts on ``CPU:0``)."""
+    from graphfit.baechi.grouping import tf_colocation_groups
+    from graphfit.baechi.schedule import simulate
+    from graphfit.baechi.units import UnitGraph
+    from graphfit.profiler.cost_graph import CostGraph
+    from graphfit.remat.tf_memory import FEED_OP_TYPES
+
+    feeds = [i for i, op_type in enumerate(graph.op_types) if op_type in FEED_OP_TYPES]
+    feed_bytes = int(graph.persistent_bytes[feeds].sum())
+    specs = graph.to_specs()
+    for i in feeds:
+        specs[i].persistent_bytes = 0
+    limits = devices.memory_bytes.copy()
+    limits[0] -= feed_bytes
+    placement = place(CostGraph.from_ops(specs), devices.with_memory(limits.tolist()),
+                      method=method, **place_options)
+    device_index = placement.device_index.copy()
+    device_index[feeds] = 0
+    schedule = simulate(UnitGraph.singletons(graph, tf_colocation_groups(graph)), devices,
+                        device_index, placement.schedule.order, placement.schedule.memory_model)
+    over = schedule.peak_bytes - devices.memory_bytes
+    if (over > 0).any():
+        d = int(np.argmax(over))
+        raise PlacementError(f"with the feeds on {devices.names[0]} the step peaks at "
+                             f"{int(schedule.peak_bytes[d])} bytes on {devices.names[d]}, "
+                             f"{int(over[d])} over its limit")
+    return dataclasses.replace(placement, graph=graph, devices=devices,
+                               device_index=device_index, schedule=schedule)
+
+
+def _place(graph, devices: DeviceSet, option: Option, place_options: dict) -> None:
+    try:
+        if place_options.get("memory_model") == "shared":
+            placement = _feeds_on_first_device(graph, devices, option.method, place_options)
+        else:
+            placement = place(graph, devices, method=option.method, **place_options)
+    except PlacementError as error:
+        option.reason = _short(error)
+        return
+    option.placement, option.fits = placement, True
+    option.makespan_us = float(placement.makespan_us)
+    option.peak_bytes = placement.peak_bytes.tolist()
+
+
+def _joint_options(model, devices, baseline_peak_bytes, ratio, methods, heuristic,
+                   overhead_limit, loss, place_options) -> list[Option]:
+    budget = int(ratio * baseline_peak_bytes)
+    options = [Option("joint", ratio, budget, method) for method in methods]
+    if not _plan(model, budget, heuristic, overhead_limit, loss, options[0]):
+        for option in options[1:]:
+            option.reason = options[0].reason
+        return options
+    unrolled = recompute_graph(model.plan_graph, options[0].plan, loss)
+    for option in options:
+        option.plan, option.unrolled = options[0].plan, unrolled
+        option.remat_peak_bytes, option.overhead = options[0].remat_peak_bytes, options[0].overhead
+        option.num_recomputes = options[0].num_recomputes
+        _place(unrolled.graph, devices, option, place_options)
+    return options
+
+
+def _best(options: Sequence[Option]) -> Option | None:
+    fitting = [o for o in options if o.fits]
+    return min(fitting, key=lambda o: (o.makespan_us, o.num_recomputes), default=None)
+
+
+def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None = None,
+           ratios: Sequence[float] = DEFAULT_RATIOS, methods: Sequence[str] = DEFAULT_METHODS,
+           heuristic: str = "dtr", overhead_limit: float = 2.0,
+           place_options: dict[str, Any] | None = None, refine_steps: int = REFINE_STEPS,
+           progress: bool = True) -> JointSearch:
+    """Search remat budgets and placers together for the fastest step that fits every device.
+
+    Parameters:
+        model: the step's ``remat.tf_memory.MemoryModel`` (calibrated cost graphs).
+        devices: the devices, their memory limits and link costs.
+        baseline_peak_bytes: the step's measured single-device peak (ratios refer to it).
+        loss: the loss tensor's name (kept resident; where the forward pass ends).
+        ratios: remat budgets to try, as fractions of ``baseline_peak_bytes``, largest first;
+            1.0 plans without recomputation.
+        methods: placers of ``baechi.place.METHODS`` to try at each budget.
+        heuristic: the remat planner (``remat.pipeline.PLANNERS``).
+        overhead_limit: compute multiple beyond which a DTR planner gives up.
+        place_options: more keywords for ``baechi.place.place`` (not ``method``).
+        refine_steps: bisections of the budget above the best grid option.
+        progress: show a progress bar on a terminal.
+
+    Returns:
+        The ``JointSearch`` (every option, the winner, the two one-pass alternatives).
+
+    Raises:
+        ValueError: no ratio in (0, 1], or no method.
+    """
+    ratios = sorted({float(r) for r in ratios}, reverse=True)
+    if not ratios or ratios[0] > 1.0 or ratios[-1] <= 0.0 or not methods:
+        raise ValueError(f"ratios must lie in (0, 1] and methods be given; got ratios "
+                         f"{ratios} and methods {list(methods)}")
+    place_options = {k: v for k, v in (place_options or {}).items() if k != "method"}
+    args = (model, devices, baseline_peak_bytes)
+    rest = (methods, heuristic, overhead_limit, loss, place_options)
+    options: list[Option] = []
+    for ratio in progress_bar(ratios, "joint search", enabled=progress):
+        tried = _joint_options(*args, ratio, *rest)
+        options += tried
+        if tried[0].plan is None and tried[0].reason:
+            break                       # below the planner's minimum: smaller ones fail too
+    best = _best(options)
+    if best is not None:
+        above = [o.ratio for o in options if o.ratio > best.ratio and not any(
+            p.fits for p in options if p.ratio == o.ratio)]
+        low, high = best.ratio, min(above, default=None)
+        for _ in range(refine_steps if high is not None else 0):
+            middle = round((low + high) / 2, 4)
+            tried = _joint_options(*args, middle, (best.method,), *rest[1:])
+            options += tried
+            low, high = (middle, high) if tried[0].fits else (low, middle)
+        best = _best(options)
+
+    alone = [Option("place_only", None, None, method) for method in methods]
+    for option in alone:
+        _place(model.plan_graph, devices, option, place_options)
+    place_only = _best(alone) or alone[0]
+    # Placing the step as it is needs no rewrite, hence none of its ordering edges (which
+    # serialise the backward pass across devices): it competes with the searched options.
+    best = _best([o for o in (best, place_only) if o is not None])
+
+    smallest = int(devices.memory_bytes.min())
+    remat_only = Option("remat_only", smallest / baseline_peak_bytes, smallest, None)
+    if _plan(model, smallest, heuristic, overhead_limit, loss, remat_only):
+        remat_only.fits = remat_only.remat_peak_bytes <= smallest
+        remat_only.makespan_us = float(remat_only.plan.compute_us)
+        remat_only.peak_bytes = [remat_only.remat_peak_bytes]
+        remat_only.reason = "" if remat_only.fits else "the plan's TF peak exceeds the device"
+    return JointSearch(options, best, place_only, remat_only, int(baseline_peak_bytes), devices)
+
+
+def _op_devices(model, option: Option) -> dict[str, str]:
+    """TF op name -> device of the winner: each unrolled node's planning-graph chain, its ops
+    named as ``remat.rewrite`` names the clones."""
+    names = option.placement.devices.names
+    cost_names = model.cost_graph.names
+    source = (option.unrolled.source if option.unrolled is not None else
+              [(op, 0) for op in range(model.plan_graph.num_ops)])
+    devices = {}
+    for node, (op, version) in enumerate(source):
+        device = names[int(option.placement.device_index[node])]
+        for member in model.members[op]:
+            name = cost_names[member]
+            devices[clone_name(name, version) if version else name] = device
+    return devices
+
+
+def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = DEFAULT_RATIOS,
+                methods: Sequence[str] = DEFAULT_METHODS, heuristic: str = "dtr",
+                overhead_limit: float = 2.0, place_options: dict[str, Any] | None = None,
+                verify: bool = True,
+                progress: Callable[[str], None] | None = None):
+    """Make ``item``'s step fit ``devices`` with the fastest mix of remat and placement.
+
+    Parameters:
+        item: the training step (``models.build`` or ``profiler.tf_function``).
+        target: where it runs (``baechi.run.local_target(n)``, a cluster's ``run_target``);
+            its device names are ``devices.names``.
+        devices: memory limits and link costs of the target's devices.
+        ratios, methods, heuristic, overhead_limit, place_options: see ``search``.
+        verify: run the winner: loss and gradients against the original step, measured peak
+            per device against the plan.
+        progress: called with a line per phase (``None``: quiet); bars show on a terminal.
+
+    Returns:
+        A ``baechi.pipeline.OptimizeResult``: the placed, rematerialized step, its remat plan
+        (over ``plan_graph``), the placement report (planned and measured peak per device,
+        loss equality), the search (``passes[0].details``) and the planned schedule.
+
+    Raises:
+        ValueError: ``devices`` are not ``target``'s devices, or bad ratios.
+        baechi.schedule.PlacementError: no option fits (the message says what was tried).
+        profiler.step_compare.StepMismatchError: the winner computes other values.
+    """
+    from graphfit.baechi.apply import apply_placement
+    from graphfit.baechi.pipeline import OptimizeResult, PassRecord
+    from graphfit.baechi.place_and_run import check_placement
+    from graphfit.remat.measure import measure_step
+    from graphfit.remat.rewrite import rewrite
+    from graphfit.remat.tf_memory import expand_plan, tf_memory_model
+
+    if list(devices.names) != list(target.devices):
+        raise ValueError(f"the device set {devices.names} is not the run target's devices "
+                         f"{list(target.devices)}")
+    say = progress or (lambda _: None)
+    # Virtual CPU devices read each other's tensors in place: plan memory as it is measured.
+    place_options = {"memory_model": "shared" if target.kind == "virtual_cpu" else "liveness",
+                     **(place_options or {})}
+    began = time.perf_counter()
+    say("joint: measuring the step on one device")
+    baseline = measure_step(item, steps=3, warmup=1)
+    model = tf_memory_model(item, baseline.profile)
+    say(f"joint: single-device peak {baseline.peak_bytes / 2**20:.1f} MiB; searching "
+        f"{len(ratios)} remat budgets x {len(methods)} placers over {len(devices)} devices")
+    found = search(model, devices, baseline.peak_bytes, item.loss, ratios, methods, heuristic,
+                   overhead_limit, place_options, progress=progress is not None)
+    searched_s = time.perf_counter() - began
+    if found.winner is None:
+        raise PlacementError(f"no remat budget and placement fit the devices: "
+                             f"{found.explanation()}")
+    winner = found.winner
+    say(f"joint: {found.explanation()}")
+    expanded, rewritten = None, item
+    if winner.plan is not None:
+        expanded = expand_plan(model, winner.plan)
+        expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
+        expanded.stats["recomputed_ops"] = expanded.recomputed_ops(model.cost_graph)
+        rewritten = rewrite(item, model.cost_graph, expanded)
+    placed = apply_placement(rewritten, _op_devices(model, winner))
+    report: dict[str, Any] = {"plan": winner.placement.summary(),
+                              "planned_peak_bytes": dict(zip(devices.names, winner.peak_bytes))}
+    if verify:
+        say("joint: running the winner (loss and gradients against one device, peaks)")
+        report = check_placement(item, placed, winner.placement, target)
+    details = {"search": found.to_json(), "searched_s": searched_s,
+               "recomputed_ops": expanded.stats["recomputed_ops"] if expanded else [],
+               "placement": report,
+               "baseline_peak_bytes": int(baseline.peak_bytes),
+               "baseline_step_time_us": baseline.step_time_us}
+    record = PassRecord("joint", True, time.perf_counter() - began, details)
+    return OptimizeResult(placed, expanded, report, [record], schedule=winner.placement.schedule)
+

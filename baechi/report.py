@@ -1,0 +1,243 @@
+"""A report a person reads: what the passes did to a step, as files in one directory.
+
+``write_report(result, directory)`` (also ``OptimizeResult.save``) writes:
+
+- ``report.json``: every number of ``result.report()`` (and the caller's extras);
+- ``memory.png``: per device, memory over the step as planned (the placement's simulated
+  schedule) and as measured (allocation records of a traced run), with the device's limit;
+  without a placement, planned against measured peak of the rematerialized step;
+- ``placement_gantt.png``: the planned schedule as a Gantt chart, one row per device,
+  recomputations in another colour;
+- ``remat_plan.md``: which ops the plan recomputes, how often, what each costs;
+- ``schedule_trace.json``: the planned schedule as a Chrome trace (open it in Perfetto or
+  ``chrome://tracing``; TensorBoard's trace viewer reads the same format);
+- ``summary.md``: the headline numbers and links to the rest.
+
+Files that need a placement are written only when the result has one; ``summary.md`` says so.
+Every file is written through a temporary file and a rename (no half-written reports).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from graphfit.profiler.profile import atomic_write_json
+
+if TYPE_CHECKING:
+    from graphfit.baechi.pipeline import OptimizeResult
+
+__all__ = ["REPORT_FILES", "write_report"]
+
+REPORT_FILES = ("report.json", "memory.png", "placement_gantt.png", "remat_plan.md",
+                "schedule_trace.json", "summary.md")
+MIB = 2 ** 20
+
+
+def _atomic(path: str, write: Callable[[str], None]) -> None:
+    """Call ``write(temporary path)`` and rename the result to ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _write_text(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+    _atomic(path, write)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save_figure(figure, path: str) -> None:
+    _atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
+    _pyplot().close(figure)
+
+
+def _memory_plot(result: "OptimizeResult", path: str) -> None:
+    """Per device planned and measured bytes in use over the step (or peaks without a
+    placement)."""
+    from graphfit.baechi.memory import device_timelines
+
+    plt = _pyplot()
+    placement = result.placement or {}
+    if result.schedule is None:
+        remat = result.report().get("remat", {})
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        bars = {"baseline (measured)": remat.get("baseline_peak_bytes"),
+                "planned": remat.get("planned_peak_bytes"),
+                "measured": remat.get("measured_peak_bytes")}
+        bars = {k: v / MIB for k, v in bars.items() if v is not None}
+        axis.bar(list(bars), list(bars.values()), color=["grey", "tab:blue", "tab:orange"][
+            :len(bars)])
+        if remat.get("budget_bytes"):
+            axis.axhline(remat["budget_bytes"] / MIB, color="red", linestyle="--",
+                         label="budget")
+            axis.legend()
+        axis.set_ylabel("peak memory (MiB)")
+        axis.set_title("one device: peak memory of the step")
+        _save_figure(figure, path)
+        return
+    names = list(result.schedule.devices.names)
+    measured = placement.get("measured_timeline_bytes", {})
+    figure, axes = plt.subplots(len(names), 1, figsize=(8, 2.2 * len(names)), sharex=True,
+                                squeeze=False)
+    for axis, name, (times, level) in zip(axes[:, 0], names,
+                                          device_timelines(result.schedule)):
+        axis.step(times / 1000, level / MIB, where="post", label="planned")
+        if measured.get(name):
+            t, b = zip(*measured[name])
+            axis.step([x / 1000 for x in t], [x / MIB for x in b], where="post",
+                      label="measured")
+        limit = placement.get("limit_bytes", {}).get(name)
+        if limit:
+            axis.axhline(limit / MIB, color="red", linestyle="--", label="limit")
+        axis.set_ylabel("MiB")
+        axis.set_title(name, fontsize=9)
+        axis.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("time in the step (ms; planned: simulated, measured: traced run)")
+    _save_figure(figure, path)
+
+
+def _gantt(result: "OptimizeResult", path: str) -> None:
+    """One row per device: each unit as a bar from its planned start to its finish."""
+    plt = _pyplot()
+    s = result.schedule
+    names = list(s.devices.names)
+    figure, axis = plt.subplots(figsize=(10, 0.6 * len(names) + 1.5))
+    is_clone = ["/remat_" in s.units.unit_name(u) for u in range(s.units.num_units)]
+    colours = {False: "tab:blue", True: "tab:orange"}
+    for d in range(len(names)):
+        for clone, colour in colours.items():
+            axis.broken_barh([(s.start_us[u] / 1000, max(s.finish_us[u] - s.start_us[u], 1.0)
+                               / 1000) for u in range(s.units.num_units)
+                              if s.device[u] == d and is_clone[u] == clone],
+                             (d - 0.4, 0.8), facecolors=colour)
+    for k in range(len(s.transfer_tensor)):
+        axis.broken_barh([(s.transfer_start_us[k] / 1000,
+                           max(s.transfer_end_us[k] - s.transfer_start_us[k], 1.0) / 1000)],
+                         (int(s.transfer_dst[k]) + 0.25, 0.15), facecolors="tab:green")
+    axis.set_yticks(range(len(names)), names, fontsize=8)
+    axis.set_xlabel("simulated time (ms)")
+    axis.set_title(f"placement: makespan {s.makespan_us / 1000:.2f} ms")
+    patches = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange",
+                                                               "tab:green")]
+    axis.legend(patches, ["compute", "recompute", "incoming transfer"], fontsize=8,
+                loc="upper right")
+    axis.invert_yaxis()
+    _save_figure(figure, path)
+
+
+def _remat_markdown(result: "OptimizeResult") -> str:
+    plan = result.plan
+    if plan is None or plan.num_recomputes == 0:
+        return "# Rematerialization plan\n\nNothing is recomputed: the step fits as it is.\n"
+    rows = plan.stats.get("recomputed_ops", [])
+    total_us = sum(r["times"] * r["compute_us"] for r in rows)
+    lines = ["# Rematerialization plan", "",
+             f"Planner `{plan.method}`, budget {plan.budget_bytes / MIB:.2f} MiB, planned peak "
+             f"{plan.peak_bytes / MIB:.2f} MiB on one device "
+             f"(baseline {plan.stats.get('baseline_peak_bytes', 0) / MIB:.2f} MiB). "
+             f"{plan.num_recomputes} recomputations of {len(rows)} ops cost "
+             f"{total_us / 1000:.2f} ms of compute: x{plan.overhead:.3f} the step's compute.",
+             "", "| op | type | recomputed | compute per run (us) | output (MiB) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| `{r['op']}` | {r['op_type']} | {r['times']}x | {r['compute_us']:.1f} | "
+              f"{r['output_bytes'] / MIB:.2f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_markdown(result: "OptimizeResult", written: list[str]) -> str:
+    report = result.report()
+    lines = ["# graphfit report", ""]
+    joint = report.get("joint", {}).get("search")
+    if joint:
+        lines += ["## Joint remat + placement", "", joint["explanation"], "",
+                  "| option | fits | simulated step (ms) | recomputations | compute x | why not |",
+                  "|---|---|---|---|---|---|"]
+        for name, option in (("place only", joint["place_only"]),
+                             ("remat only (smallest device)", joint["remat_only"]),
+                             ("joint (winner)", joint["winner"])):
+            if option is None:
+                continue
+            step = f"{option['makespan_us'] / 1000:.1f}" if option["fits"] else "-"
+            lines.append(f"| {name} | {'yes' if option['fits'] else 'no'} | {step} | "
+                         f"{option['num_recomputes']} | {option['overhead']:.2f} | "
+                         f"{option['reason'][:120]} |")
+        lines += ["", f"{len(joint['options'])} options simulated; all are in `report.json` "
+                  "(`joint.search.options`).", ""]
+    remat = report.get("remat", {})
+    if remat.get("changed"):
+        lines += ["## Rematerialization", "",
+                  f"Peak {remat['baseline_peak_bytes'] / MIB:.2f} MiB -> planned "
+                  f"{remat['planned_peak_bytes'] / MIB:.2f}, measured "
+                  f"{remat.get('measured_peak_bytes', 0) / MIB:.2f} MiB; compute overhead "
+                  f"planned x{remat['planned_overhead']:.2f}, measured "
+                  f"x{remat.get('measured_overhead', float('nan')):.2f}.", ""]
+    placement = result.placement
+    if placement and "measured_peak_bytes" in placement:
+        lines += ["## Per device: planned vs measured peak", "",
+                  "| device | ops | planned (MiB) | measured (MiB) | limit (MiB) |",
+                  "|---|---|---|---|---|"]
+        for name in placement["devices"]:
+            lines.append(f"| {name} | {placement['ops_per_device'][name]} | "
+                         f"{placement['planned_peak_bytes'][name] / MIB:.2f} | "
+                         f"{placement['measured_peak_bytes'].get(name, 0) / MIB:.2f} | "
+                         f"{placement['limit_bytes'][name] / MIB:.2f} |")
+        lines += ["", f"Planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms; loss "
+                  f"and gradients equal to the single-device step: "
+                  f"{placement['equal_to_single_device']}.", ""]
+    described = {"report.json": "every number", "memory.png": "memory per device over the step, "
+                 "planned vs measured", "placement_gantt.png": "the placement as a Gantt chart",
+                 "remat_plan.md": "what is recomputed and what it costs",
+                 "schedule_trace.json": "the schedule as a Chrome trace (Perfetto, "
+                 "chrome://tracing)"}
+    lines += ["## Files", ""] + [f"- [{name}]({name}): {text}" for name, text in
+                                 described.items() if name in written]
+    missing = [name for name in described if name not in written]
+    if missing:
+        lines.append(f"- not written (the step was not placed): {', '.join(missing)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: "OptimizeResult", directory: str,
+                 extra: dict[str, Any] | None = None) -> list[str]:
+    """Write the report files of ``result`` into ``directory`` (module docstring).
+
+    Parameters:
+        result: what ``baechi.optimize`` or ``baechi.joint.fit_devices`` returned.
+        directory: created if missing; files of the same names are replaced.
+        extra: JSON-ready entries added to ``report.json`` (e.g. the training run).
+
+    Returns:
+        The paths written, ``summary.md`` last.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = lambda name: os.path.join(directory, name)  # noqa: E731
+    written = ["report.json"]
+    atomic_write_json(path("report.json"), {**result.report(), **(extra or {})})
+    _memory_plot(result, path("memory.png"))
+    written.append("memory.png")
+    if result.schedule is not None:
+        _gantt(result, path("placement_gantt.png"))
+        result.schedule.write_chrome_trace(path("schedule_trace.json"))
+        written += ["placement_gantt.png", "schedule_trace.json"]
+    _write_text(path("remat_plan.md"), _remat_markdown(result))
+    written.append("remat_plan.md")
+    _write_text(path("summary.md"), _summary_markdown(result, written))
+    written.append("summary.md")
+    return [path(name) for name in written]

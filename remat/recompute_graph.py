@@ -1,0 +1,140 @@
+"""The cost graph of a step that executes a rematerialization plan: one node per (re)computation.
+
+A plan (``remat.plan``) says in which order a step computes, recomputes and frees; the placer
+and the schedule simulator read a ``CostGraph``. ``recompute_graph`` unrolls a plan into the
+graph the rewritten step will run, on the IR alone, so a search over budgets and placements
+(``baechi.joint``) can simulate many plans without building a TensorFlow graph for each:
+
+- the ``k``-th recomputation of op ``n`` is a node ``remat.rewrite.clone_name(n, k)`` with the
+  op's costs (its persistent bytes stay with the original: constants are never cloned);
+- every node reads the newest version of each input at its position in the plan, the rule
+  ``remat.rewrite`` lowers plans with, so an original tensor whose later readers all moved to
+  a clone dies after its last remaining reader;
+- the rewrite's ``"tail"`` ordering edges: from the backward pass's first read of a tensor the
+  forward pass computed (or the first recomputation, if earlier) on, each node waits for the
+  node of the previous plan event, so the backward pass runs in plan order.
+
+A clone is free to go to any device (TF gives a copied NodeDef no colocation of its own),
+unless its op was explicitly colocated with another op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+
+__all__ = ["RecomputeGraph", "recompute_graph", "clone_name"]
+
+
+def clone_name(op_name: str, version: int) -> str:
+    """Name of the ``version``-th recomputation (1-based) of op ``op_name``."""
+    return f"{op_name}/remat_{version}"
+
+
+@dataclasses.dataclass
+class RecomputeGraph:
+    """A plan unrolled into a cost graph.
+
+    Attributes:
+        graph: one node per compute / recompute event of the plan.
+        source: per node of ``graph`` (by id), ``(op id in the planned graph, version)``;
+            version 0 is the first computation, ``k`` the ``k``-th recomputation.
+    """
+
+    graph: CostGraph
+    source: list[tuple[int, int]]
+
+
+def _backward_start(graph: CostGraph, plan: RematPlan, loss: str | None) -> int | None:
+    """The first op computed outside the loss's fan-in that reads a tensor the forward pass
+    computed (not a constant, feed or variable read); ``None``: no loss or no such op."""
+    name = loss.split(":")[0] if loss else None
+    if name not in graph.index:
+        return None
+    forward, stack = set(), [graph.index[name]]
+    while stack:
+        i = stack.pop()
+        if i not in forward:
+            forward.add(i)
+            stack.extend(graph.predecessors(i))
+    from_variable = graph.is_variable[graph.tensor_producer]
+    computed = {i for i in forward if (~from_variable[graph.op_inputs(i)]).any()}
+    for kind, i in plan.events:
+        if kind == COMPUTE and i not in forward and any(
+                int(graph.tensor_producer[t]) in computed for t in graph.op_inputs(i)):
+            return i
+    return None
+
+
+def recompute_graph(graph: CostGraph, plan: RematPlan, loss: str | None = None
+                    ) -> RecomputeGraph:
+    """The cost graph of the step that runs ``plan`` (module docstring).
+
+    Parameters:
+        graph: the graph ``plan`` was made for (e.g. ``MemoryModel.plan_graph``).
+        plan: its compute / recompute / free events.
+        loss: the loss tensor's name: where the forward pass ends, for the ordering edges.
+
+    Returns:
+        The ``RecomputeGraph``.
+
+    Raises:
+        ValueError: the plan recomputes an op before computing it.
+
+    Examples:
+        >>> from graphfit.remat.plan import Event
+        >>> g = CostGraph.from_ops([OpSpec("a", "X", output_bytes=[8], compute_us=1),
+        ...                         OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[8]),
+        ...                         OpSpec("c", "X", inputs=[("a", 0), ("b", 0)])])
+        >>> plan = RematPlan([Event("compute", 0), Event("compute", 1), Event("free", 0),
+        ...                   Event("recompute", 0), Event("compute", 2)], 16, 16, 1, 2, "x")
+        >>> unrolled = recompute_graph(g, plan)
+        >>> unrolled.graph.names, unrolled.source
+        (['a', 'b', 'a/remat_1', 'c'], [(0, 0), (1, 0), (0, 1), (2, 0)])
+        >>> [unrolled.graph.tensor_name(t) for t in unrolled.graph.op_inputs(3)]
+        ['a/remat_1:0', 'b:0']
+    """
+    backward_start = _backward_start(graph, plan, loss)
+    newest: dict[int, str] = {}            # op id -> name of the node holding its newest version
+    versions: dict[int, int] = {}
+    specs, source = [], []
+    previous, pinning = None, False
+    for kind, i in plan.events:
+        if kind == FREE:
+            continue
+        name = graph.names[i]
+        if kind == RECOMPUTE:
+            if i not in newest:
+                raise ValueError(f"the plan recomputes {name!r} before computing it")
+            versions[i] += 1
+            name = clone_name(name, versions[i])
+        else:
+            versions[i] = 0
+        inputs = [(newest[int(graph.tensor_producer[t])], int(graph.tensor_port[t]))
+                  for t in graph.op_inputs(i)]
+        pinning = pinning or kind == RECOMPUTE or i == backward_start
+        controls = [graph.names[int(c)] for c in graph.control_inputs(i)]   # as rewrite keeps them
+        if pinning and previous is not None and previous not in {p for p, _ in inputs}:
+            controls.append(previous)
+        group = graph.colocation_groups[i]
+        specs.append(OpSpec(
+            name=name, op_type=graph.op_types[i], inputs=inputs,
+            control_inputs=sorted(set(controls)), output_bytes=graph.output_bytes(i).tolist(),
+            compute_us=float(graph.compute_us[i]), temp_bytes=int(graph.temp_bytes[i]),
+            persistent_bytes=int(graph.persistent_bytes[i]) if kind == COMPUTE else 0,
+            device=graph.devices[i],
+            colocation_group=group if kind == COMPUTE or group != graph.names[i] else name,
+            is_stateful=bool(graph.is_stateful[i]), is_random=bool(graph.is_random[i]),
+            is_variable=bool(graph.is_variable[i]),
+            reads_resource=bool(graph.reads_resource[i]), measured=bool(graph.measured[i])))
+        source.append((i, versions[i]))
+        newest[i] = name
+        previous = name
+    unrolled = CostGraph.from_ops(specs)
+    position = {spec.name: k for k, spec in enumerate(specs)}
+    order = np.array([position[name] for name in unrolled.names], dtype=np.int64)
+    return RecomputeGraph(unrolled, [source[k] for k in order.tolist()])

@@ -1,0 +1,174 @@
+"""Joint remat + placement (``baechi.joint``) on the IR, and the joint demo end to end: the train
+binary with ``--joint --report_dir`` on four virtual CPU devices, planned against measured."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.joint import search
+from graphfit.baechi.report import REPORT_FILES
+from graphfit.baechi.schedule import MIN_DURATION_US, simulate
+from graphfit.baechi.units import UnitGraph
+from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.remat.baselines import checkpoint_all
+from graphfit.remat.pipeline import plan_for_budget
+from graphfit.remat.recompute_graph import recompute_graph
+from graphfit.remat.tf_memory import MemoryModel
+
+MB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _chain(layers=12):
+    """A deep, narrow training step: 1 MB activations saved for the backward pass, small
+    weights (1/16 MB) updated at the end."""
+    specs = [OpSpec("x", "Placeholder", output_bytes=[MB])]
+    previous = "x"
+    for i in range(layers):
+        specs += [OpSpec(f"w{i}", "VarHandleOp", output_bytes=[0], persistent_bytes=MB // 16,
+                         is_variable=True),
+                  OpSpec(f"f{i}", "MatMul", inputs=[(previous, 0), (f"w{i}", 0)],
+                         output_bytes=[MB], compute_us=100)]
+        previous = f"f{i}"
+    specs.append(OpSpec("loss", "Mean", inputs=[(previous, 0)], output_bytes=[4], compute_us=5))
+    gradient = "loss"
+    for i in reversed(range(layers)):
+        below = f"f{i - 1}" if i else "x"
+        specs += [OpSpec(f"g{i}", "MatMulGrad", inputs=[(gradient, 0), (below, 0), (f"w{i}", 0)],
+                         output_bytes=[MB], compute_us=200),
+                  OpSpec(f"u{i}", "Apply", inputs=[(f"w{i}", 0), (f"g{i}", 0)], compute_us=10,
+                         is_stateful=True)]
+        gradient = f"g{i}"
+    return CostGraph.from_ops(specs)
+
+
+@pytest.fixture(scope="module")
+def chain():
+    graph = _chain()
+    return graph, MemoryModel(graph, graph, [[i] for i in range(graph.num_ops)])
+
+
+def test_unrolled_plan_on_one_device_is_the_plan(chain):
+    """The unrolled graph replayed in plan order on one device has the plan's peak and compute:
+    clones read the newest versions, so the originals die where the plan frees them."""
+    graph, _ = chain
+    plan = plan_for_budget(graph, int(0.5 * checkpoint_all(graph).peak_bytes), "dtr",
+                           loss="loss:0")
+    assert plan.num_recomputes > 0
+    unrolled = recompute_graph(graph, plan, "loss:0")
+    assert unrolled.graph.num_ops == graph.num_ops + plan.num_recomputes
+    position = {source: k for k, source in enumerate(unrolled.source)}
+    order = sorted(range(unrolled.graph.num_ops), key=lambda n: position[unrolled.source[n]])
+    one = DeviceSet.uniform(["/device:CPU:0"], 1 << 30, "0,0")
+    schedule = simulate(UnitGraph.singletons(unrolled.graph, np.arange(unrolled.graph.num_ops)),
+                        one, np.zeros(unrolled.graph.num_ops, dtype=np.int64), order)
+    assert int(schedule.peak_bytes[0]) == plan.peak_bytes
+    # Ops without compute take MIN_DURATION_US in the simulator.
+    assert schedule.makespan_us == pytest.approx(
+        plan.compute_us, abs=MIN_DURATION_US * unrolled.graph.num_ops)
+
+
+def test_search_fits_where_neither_one_pass_option_does(chain):
+    graph, model = chain
+    peak = checkpoint_all(graph).peak_bytes
+    devices = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], int(0.4 * peak),
+                                "0.0001754,134")
+    found = search(model, devices, peak, "loss:0", progress=False)
+    assert not found.place_only.fits and found.place_only.reason
+    assert not found.remat_only.fits and found.remat_only.reason
+    winner = found.winner
+    assert winner is not None and winner.fits and winner.num_recomputes > 0
+    assert all(p <= limit for p, limit in zip(winner.peak_bytes, devices.memory_bytes))
+    assert winner.makespan_us == min(o.makespan_us for o in found.options if o.fits)
+    assert all(o.fits or o.reason for o in found.options)
+    assert any(not o.fits and o.ratio > winner.ratio for o in found.options)
+    summary = found.to_json()
+    assert json.loads(json.dumps(summary))["winner"]["method"] == winner.method
+    assert "did not fit" in summary["explanation"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The train binary's joint demo on a small mlp: 12.5 MiB on one device, four devices of
+    4.5 MiB."""
+    out = tmp_path_factory.mktemp("joint")
+    result = subprocess.run(
+        [sys.executable, "-m", "graphfit.tools.train", "--model_name=mlp",
+         "--batch_size=1024", "--model_arg=depth=8", "--model_arg=width=256",
+         "--model_arg=input_dim=256", "--num_devices=4", "--device_memory=4.5MiB", "--joint",
+         "--remat_heuristic=offline", "--steps=2", "--warmup_steps=1",
+         f"--report_path={out / 'train.json'}", f"--report_dir={out / 'report'}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+@pytest.mark.slow
+def test_joint_demo_trains_and_measures_what_it_planned(demo):
+    out, result = demo
+    report = json.loads((out / "train.json").read_text())
+    search_report = report["joint"]["search"]
+    # One device cannot hold the step (6 MiB at the least, rematerialized), four can. Whether
+    # placing without remat fits too depends on the measured op times the placer schedules by
+    # (it misses by a few hundred KiB or fits, from run to run): then it must not beat the
+    # winner. test_search_fits_where_neither_one_pass_option_does pins that case down.
+    assert not search_report["remat_only"]["fits"]
+    winner, place_only = search_report["winner"], search_report["place_only"]
+    assert winner["fits"]
+    assert not place_only["fits"] or winner["makespan_us"] <= place_only["makespan_us"]
+    place = report["joint"]["placement"]
+    assert place["equal_to_single_device"]
+    assert not place["over_limit_bytes"]
+    # Planned = measured to the byte on most devices in most runs. TF's executor does not
+    # follow the simulated schedule exactly across devices (the forward pass is not pinned,
+    # and a remote reader may run later than simulated on a loaded machine), so a device can
+    # hold one more activation (1 MiB here) than planned, still within its limit.
+    for device in place["devices"]:
+        planned = place["planned_peak_bytes"][device]
+        measured = place["measured_peak_bytes"][device]
+        assert abs(measured - planned) <= 0.05 * planned + MB, (device, planned, measured)
+        assert measured <= place["limit_bytes"][device]
+    assert "place only  " in result.stderr and "joint       fits" in result.stderr
+
+
+@pytest.mark.slow
+def test_report_dir_holds_every_file_a_person_reads(demo):
+    import matplotlib.image
+
+    directory = demo[0] / "report"
+    assert sorted(os.listdir(directory)) == sorted(REPORT_FILES)
+    data = json.loads((directory / "report.json").read_text())
+    assert data["joint"]["search"]["winner"]["fits"] and data["run"]["losses"]
+    for image in ("memory.png", "placement_gantt.png"):
+        pixels = matplotlib.image.imread(directory / image)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0
+    trace = json.loads((directory / "schedule_trace.json").read_text())
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert processes == {f"/device:CPU:{i}" for i in range(4)}
+    recomputed = data["joint"]["recomputed_ops"]
+    assert any("/remat_" in e["name"] for e in trace["traceEvents"] if e["ph"] == "X") == bool(
+        recomputed)
+    plan = (directory / "remat_plan.md").read_text()
+    assert plan.count("\n| `") == len(recomputed)
+    assert recomputed or "Nothing is recomputed" in plan
+    summary = (directory / "summary.md").read_text()
+    assert "| /device:CPU:3 |" in summary and "place only" in summary
+    assert all(f"({name})" in summary for name in REPORT_FILES if name != "summary.md")
+
+
+def test_placing_the_step_as_it_is_competes_with_the_searched_options(chain):
+    """With room to spare, no recomputation and no rewrite (hence no ordering edges) is the
+    fastest option, and the search keeps it."""
+    graph, model = chain
+    peak = checkpoint_all(graph).peak_bytes
+    devices = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], peak, "0.0001754,134")
+    found = search(model, devices, peak, "loss:0", ratios=(1.0, 0.8), progress=False)
+    assert found.place_only.fits
+    assert found.winner.makespan_us <= min(o.makespan_us for o in found.options if o.fits)
+    assert found.winner.makespan_us <= found.place_only.makespan_us

@@ -1,0 +1,75 @@
+"""One call for Keras users: a compiled Keras 3 model (no hand-written step) through the passes.
+
+(Named to run after ``test_profiler``: the traced steps keep the models' variables alive in the
+process's CPU allocator, whose peak ``test_profiler`` compares with a step's own.)"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from graphfit.baechi.keras_fit import KerasFitError, optimize_model  # noqa: E402
+
+BATCH, FEATURES, CLASSES = 1024, 256, 10
+
+
+
+def _model(seed=5):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((FEATURES,))]
+                             + [keras.layers.Dense(256, activation="relu") for _ in range(8)]
+                             + [keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(batches=2, seed=5):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batches * BATCH, FEATURES), dtype=np.float32),
+            rng.integers(0, CLASSES, batches * BATCH).astype(np.int32))
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_keras_own_step_within_the_budget():
+    """``optimize_model`` builds the step from the compiled loss and optimizer, fits the
+    budget on a real run, and trains the user's model exactly as ``train_on_batch`` does."""
+    x, y = _data()
+    model, reference = _model(), _model()
+    step = optimize_model(model, x[:BATCH], y[:BATCH], memory_ratio=0.7)
+    remat = step.result.report()["remat"]
+    assert remat["changed"] and remat["num_recomputes"] > 0
+    assert remat["loss_match"] and remat["gradients_match"]
+    assert remat["measured_peak_bytes"] < 0.85 * remat["baseline_peak_bytes"]
+    assert abs(remat["prediction_error"]) < 0.10, remat
+
+    history = step.fit(x, y, epochs=2)                 # 2 batches per epoch
+    expected = [np.mean([reference.train_on_batch(x[k * BATCH:(k + 1) * BATCH],
+                                                  y[k * BATCH:(k + 1) * BATCH])
+                         for k in range(2)]) for _ in range(2)]
+    np.testing.assert_allclose(history["loss"], expected, rtol=1e-4)
+    for ours, theirs in zip(model.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_errors_speak_the_keywords_the_caller_used():
+    x, y = _data(1)
+    uncompiled = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    with pytest.raises(KerasFitError, match=r"model.compile\(optimizer=\.\.\., loss=\.\.\.\)"):
+        optimize_model(uncompiled, x, y, memory_ratio=0.5)
+    with pytest.raises(KerasFitError, match="memory_ratio=1.5 must lie in"):
+        optimize_model(_model(), x, y, memory_ratio=1.5)
+    with pytest.raises(KerasFitError, match="one of memory_budget and memory_ratio"):
+        optimize_model(_model(), x, y, memory_budget="10MiB", memory_ratio=0.5)
+
+
+@pytest.mark.slow
+def test_a_budget_below_the_minimum_names_the_smallest_ratio():
+    x, y = _data(1)
+    with pytest.raises(KerasFitError, match=r"memory_ratio=0.02 .* pass memory_ratio >= 0\.\d\d"
+                       ) as error:
+        optimize_model(_model(), x, y, memory_ratio=0.02, verify=False)
+    assert "--" not in str(error.value)                # no command-line flags
