@@ -3,8 +3,10 @@
 ``ScheduleBuilder`` commits units to devices one at a time, in a nondecreasing "clock" of start
 times (list scheduling): a unit starts when its device is free and its inputs have arrived;
 a tensor crossing devices is sent once per destination device (later readers there reuse the
-copy) and transfers are serialised per link direction (an ordered device pair), each starting
-when the tensor exists and the link is free. m-TOPO, m-ETF and m-SCT differ only in which unit
+copy), each transfer starting when the tensor exists and its channel is free. Under the
+devices' ``link_model`` (``baechi.devices``) that channel is the sender's send queue and the
+receiver's receive queue together (``"contention"``, Baechi's model) or the ordered device pair
+(``"parallel"``). m-TOPO, m-ETF and m-SCT differ only in which unit
 they commit next and where; ``simulate`` replays a given placement and order with the same
 machinery, so a placer's schedule and the simulated step are the same computation.
 
@@ -151,7 +153,10 @@ class ScheduleBuilder:
         self.finish = [0.0] * n
         self.order: list[int] = []
         self.device_free = [0.0] * d
-        self.link_free = [[0.0] * d for _ in range(d)]
+        self.contention = devices.link_model == "contention"
+        self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
+        self.send_free = [0.0] * d                       # contention: per device and direction
+        self.recv_free = [0.0] * d
         self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
         self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
@@ -195,11 +200,15 @@ class ScheduleBuilder:
         sends = []
         if needed:
             needed.sort()
-            link_time: dict[int, float] = {}
+            sent: dict[int, float] = {}  # source -> when its channel to d is free again
+            received = self.recv_free[d]
             for available, t, src in needed:
-                begin = max(available, link_time.get(src, self.link_free[src][d]))
+                if self.contention:
+                    begin = max(available, sent.get(src, self.send_free[src]), received)
+                else:
+                    begin = max(available, sent.get(src, self.link_free[src][d]))
                 end = begin + self._a[src][d] * self._t_comm[t] + self._b[src][d]
-                link_time[src] = end
+                sent[src] = received = end
                 sends.append((t, src, begin, end))
                 if end > ready:
                     ready = end
@@ -286,7 +295,7 @@ class ScheduleBuilder:
             self.level[d] += self.group_persistent[g]
             self.high_water[d] += self.group_persistent[g]
         for t, src, t_begin, t_end in sends:
-            self.link_free[src][d] = t_end
+            self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end))
             self.holders[t].append(d)
@@ -347,14 +356,14 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
     """Simulate one step of a placed unit graph.
 
     Units start in ``order`` (default: topological), each as soon as its device is free and its
-    inputs have arrived; transfers are serialised per link direction. With ``in_order`` (the
+    inputs have arrived; transfers share channels as ``devices.link_model`` says. With ``in_order`` (the
     default, what the placers do) no unit starts before an earlier unit of ``order``, so a
     placer's commit order replays its schedule exactly; without it each device runs its units
     as early as possible (memory peaks can then differ from the placer's).
 
     Parameters:
         units: the unit graph (``UnitGraph.singletons`` for plain op graphs).
-        devices: device set (link costs; memory limits are not enforced here).
+        devices: device set (link costs and link model; memory limits are not enforced here).
         device_of_unit: device index per unit.
         order: a topological order of all units (e.g. a placer's commit order).
         memory_model: how ``peak_bytes`` is computed (``"liveness"`` or ``"static"``).
