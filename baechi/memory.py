@@ -10,6 +10,8 @@ Two models, selectable everywhere a placement is made:
   runs; an output from its producer's start until its last consumer on that device has finished
   and its last transfer out has ended (an output nobody reads dies with its producer); a received
   copy from its transfer's start until its last consumer on the receiving device has finished.
+  An output that is a persistent buffer counts with the persistent bytes; a fetched output is
+  held until the step ends.
   Releases at a time happen before allocations at the same time (one op's end, the next's start).
 
 ``device_peak_bytes`` computes the exact per-device peak of a finished schedule under either
@@ -84,13 +86,14 @@ def device_peak_bytes(schedule: "Schedule") -> np.ndarray:
     producer = units.tensor_producer
     out_key = np.arange(num_t) * num_devices + device[producer]
     out_end = np.maximum(last[out_key], s.finish_us[producer])
+    out_end[units.tensor_fetched] = np.inf
     copy_end = last[s.transfer_tensor * num_devices + s.transfer_dst]
 
     dev = np.concatenate([device, device, device[producer], device[producer],
                           s.transfer_dst, s.transfer_dst])
     time = np.concatenate([s.start_us, s.finish_us, s.start_us[producer], out_end,
                            s.transfer_start_us, copy_end])
-    tb = units.tensor_bytes
+    tb = np.where(units.tensor_persistent, 0, units.tensor_bytes)
     cb = units.tensor_bytes[s.transfer_tensor]
     delta = np.concatenate([units.temp_bytes, -units.temp_bytes, tb, -tb, cb, -cb])
     keep = delta != 0

@@ -142,6 +142,9 @@ class ScheduleBuilder:
         self._t_bytes = units.tensor_bytes.tolist()
         self._t_comm = np.maximum(units.tensor_bytes, CONTROL_EDGE_BYTES).tolist()
         self._t_producer = units.tensor_producer.tolist()
+        # Persistent outputs (charged with the unit's persistent bytes) and fetched outputs
+        # (held to the end) are never released on their producer's device.
+        self._t_held = (units.tensor_persistent | units.tensor_fetched).tolist()
         self._a, self._b = devices.a_us_per_byte, devices.b_us
         self.limit = devices.memory_bytes.tolist()
         group_persistent = np.bincount(units.group, weights=units.persistent_bytes,
@@ -246,10 +249,10 @@ class ScheduleBuilder:
         grow = self._out_bytes[u]
         dd = self.num_devices
         for t in self._inputs[u]:
-            here = self.device[self._t_producer[t]] == d or (t * dd + d) in self.arrival
-            if not here:
+            local = self.device[self._t_producer[t]] == d
+            if not local and (t * dd + d) not in self.arrival:
                 grow += self._t_bytes[t]
-            elif self.remaining[t] == 1 and self.liveness:
+            elif self.remaining[t] == 1 and self.liveness and not (local and self._t_held[t]):
                 grow -= self._t_bytes[t]
         return grow
 
@@ -314,8 +317,10 @@ class ScheduleBuilder:
                 for h in self.holders[t]:
                     self._release_later(self.last_use[t * dd + h], h, self._t_bytes[t])
         for t in self._outputs[u]:
+            if self._t_held[t]:
+                continue
             self.holders[t].append(d)
-            if self.remaining[t] == 0:  # a graph output: freed when its producer ends
+            if self.remaining[t] == 0:  # an output nobody reads: freed when its producer ends
                 self._release_later(end, d, self._t_bytes[t])
         self.device[u], self.start[u], self.finish[u] = d, begin, end
         self.device_free[d] = end
