@@ -38,7 +38,7 @@ __all__ = ["METHODS", "PLACER_TYPES", "Placement", "PlacementError", "makespan_l
 
 METHODS = ("m_topo", "m_etf", "m_sct")
 PLACER_TYPES = ("default", "colocation", "fusion")
-MAX_ATTEMPTS = 4
+MAX_ATTEMPTS = 6
 
 
 @dataclasses.dataclass
@@ -244,32 +244,47 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
     else:
         units = UnitGraph.singletons(cost_graph, groups)
     _check_fits(units, devices)
-    # The placers' fit test is approximate (received copies, fused units): when the exact
-    # simulation overshoots a device, place again with that device's limit lowered by the
-    # overshoot, a few times at most.
+    # The placers' fit test is approximate (received copies, fused units, the repair step's
+    # transient copies): when the exact simulation overshoots a device, m-ETF and m-SCT place
+    # again with their repair step (baechi.memory_first), then with that device's limit lowered
+    # by the overshoot, a few times at most.
     limits = devices.memory_bytes.copy()
     placement_s = 0.0
+    repair = False
     for attempt in range(1, MAX_ATTEMPTS + 1):
         began_attempt = time.perf_counter()
         placer_devices = devices.with_memory(limits.tolist())
-        if method == "m_topo":
-            unit_schedule = m_topo(units, placer_devices, memory_model)
-        elif method == "m_etf":
-            unit_schedule = m_etf(units, placer_devices, memory_model)
-        else:
-            unit_schedule = m_sct(units, placer_devices, memory_model, sct_threshold, lp_solver)
+        try:
+            if method == "m_topo":
+                unit_schedule = m_topo(units, placer_devices, memory_model)
+            elif method == "m_etf":
+                unit_schedule = m_etf(units, placer_devices, memory_model,
+                                      memory_first_only=repair)
+            else:
+                unit_schedule = m_sct(units, placer_devices, memory_model, sct_threshold,
+                                      lp_solver, memory_first_only=repair)
+        except PlacementError as e:
+            if attempt == 1:
+                raise
+            raise PlacementError(
+                f"{e} (this was attempt {attempt}: the simulated step of the earlier ones went "
+                f"over the limits by up to {int(over.max())} bytes)") from None
         placement_s += time.perf_counter() - (began if attempt == 1 else began_attempt)
         device_index = unit_schedule.device[units.unit_of_op]
-        if units.num_units == cost_graph.num_ops:
+        repaired = unit_schedule.info.get("memory_first", False)
+        if units.num_units == cost_graph.num_ops and not repaired:
             schedule = dataclasses.replace(unit_schedule, devices=devices)
-        else:
+        else:  # fused units, or the repair step's transient copies: replay as TF runs it
             order = _op_order(cost_graph, units, unit_schedule)
             schedule = simulate(UnitGraph.singletons(cost_graph, tf_groups), devices,
                                 device_index, order, memory_model)
         over = schedule.peak_bytes - devices.memory_bytes
         if (over <= 0).all():
             break
-        limits = limits - np.maximum(over, 0)
+        if method != "m_topo" and not repaired:
+            repair = True  # the repair step at the same limits first
+        else:
+            limits = limits - np.maximum(over, 0)
     unit_schedule.info["placement_attempts"] = attempt
     placement = Placement(
         graph=cost_graph, devices=devices, device_index=device_index, schedule=schedule,

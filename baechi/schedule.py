@@ -116,6 +116,12 @@ class ScheduleBuilder:
         monotone: commit start times never go below the clock (the placers need this for
             their memory accounting); without it a unit starts as soon as its device and
             inputs allow, whatever was committed before it on other devices.
+        transient_copies: a received copy is freed as soon as its readers committed so far
+            have finished (instead of when every reader of the tensor anywhere has been
+            committed); a reader committed while the copy is still there extends it, and a
+            reader after it is gone receives the tensor again (``refetches``; TF receives a
+            tensor once per device, so the caller replays the placement with ``simulate``).
+            ``baechi.memory_first`` uses it.
 
     A placer repeatedly picks a ready unit and a device, asks ``shortfall_bytes`` (<= 0: fits)
     and ``data_ready_us`` (when its inputs would be there), and calls ``commit``, which returns
@@ -123,9 +129,12 @@ class ScheduleBuilder:
     """
 
     def __init__(self, units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
-                 monotone: bool = True):
+                 monotone: bool = True, transient_copies: bool = False):
         check_memory_model(memory_model)
         self.monotone = monotone
+        self.transient_copies = transient_copies and memory_model == "liveness"
+        self.copy_free_at: dict[int, float] = {}   # t * D + device -> scheduled release
+        self.gone: set[int] = set()                # t * D + device: copy freed, not again
         self.units, self.devices = units, devices
         self.liveness = memory_model == "liveness"
         self.memory_model = memory_model
@@ -166,7 +175,7 @@ class ScheduleBuilder:
         self.remaining = [len(c) for c in self._consumers]
         self.level = [0] * d                         # bytes resident at the clock
         self.high_water = [0] * d                    # highest level seen so far
-        self.pending_frees: list[tuple[float, int, int]] = []
+        self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float]] = []
         indegree = np.zeros(n, dtype=np.int64)
@@ -242,6 +251,12 @@ class ScheduleBuilder:
                 - self.limit[d]
         return self.level[d] + need - self.limit[d]
 
+    def refetches(self, u: int, d: int) -> bool:
+        """Whether ``u`` on ``d`` would receive again an input whose copy ``d`` already freed
+        (``transient_copies``)."""
+        dd = self.num_devices
+        return any(t * dd + d in self.gone for t in self._inputs[u])
+
     def growth_bytes(self, u: int, d: int) -> int:
         """Net bytes committing ``u`` on ``d`` would add to ``d`` once it ends: what it
         allocates minus the local inputs it is the last reader of (a rough, liveness-only
@@ -269,7 +284,12 @@ class ScheduleBuilder:
         released = False
         frees = self.pending_frees
         while frees and frees[0][0] <= self.clock:
-            _, d, nbytes = heapq.heappop(frees)
+            when, d, nbytes, copy = heapq.heappop(frees)
+            if copy >= 0:
+                if self.copy_free_at.get(copy) != when:
+                    continue  # extended by a later reader
+                del self.copy_free_at[copy], self.arrival[copy]
+                self.gone.add(copy)
             self.level[d] -= nbytes
             released = True
         return released
@@ -279,9 +299,9 @@ class ScheduleBuilder:
         if self.level[d] > self.high_water[d]:
             self.high_water[d] = self.level[d]
 
-    def _release_later(self, time_us: float, d: int, nbytes: int) -> None:
+    def _release_later(self, time_us: float, d: int, nbytes: int, copy: int = -1) -> None:
         if self.liveness and nbytes:
-            heapq.heappush(self.pending_frees, (time_us, d, nbytes))
+            heapq.heappush(self.pending_frees, (time_us, d, nbytes, copy))
 
     def commit(self, u: int, d: int) -> list[int]:
         """Run unit ``u`` on device ``d`` as early as possible at or after the clock; returns
@@ -301,7 +321,8 @@ class ScheduleBuilder:
             self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end))
-            self.holders[t].append(d)
+            if not self.transient_copies:
+                self.holders[t].append(d)
             key = t * dd + src
             if self.last_use.get(key, 0.0) < t_end:
                 self.last_use[key] = t_end
@@ -312,6 +333,10 @@ class ScheduleBuilder:
             key = t * dd + d
             if self.last_use.get(key, 0.0) < end:
                 self.last_use[key] = end
+            if self.transient_copies and self.device[self._t_producer[t]] != d and \
+                    self.copy_free_at.get(key, -1.0) < end:
+                self.copy_free_at[key] = end
+                self._release_later(end, d, self._t_bytes[t], key)
             self.remaining[t] -= 1
             if self.remaining[t] == 0:
                 for h in self.holders[t]:

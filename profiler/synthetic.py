@@ -102,9 +102,11 @@ def random_dag(num_ops: int, seed: int = 0, window: int = 50) -> CostGraph:
     return CostGraph.from_ops(specs)
 
 
-def layered(num_ops: int, seed: int = 0, width: int = 16) -> CostGraph:
+def layered(num_ops: int, seed: int = 0, width: int = 64,
+            output_bytes: tuple[int, int] = (1 << 18, 1 << 21)) -> CostGraph:
     """``num_ops`` ops in layers of ``width``; an op of layer ``k > 0`` reads 1-3 distinct
-    outputs of layer ``k - 1``, chosen at random."""
+    outputs of layer ``k - 1``, chosen at random; output sizes are uniform in
+    ``output_bytes`` (low, high)."""
     rng = np.random.default_rng(seed)
     specs = []
     for i in range(num_ops):
@@ -117,6 +119,6 @@ def layered(num_ops: int, seed: int = 0, width: int = 16) -> CostGraph:
         specs.append(OpSpec(
             f"layer{layer}/n{column}", "Compute" if sources else "Input",
             inputs=[(specs[j].name, 0) for j in sources],
-            output_bytes=[int(rng.integers(1, 1 << 22))],
+            output_bytes=[int(rng.integers(*output_bytes))],
             compute_us=float(rng.uniform(1, 500))))
     return CostGraph.from_ops(specs)
