@@ -141,3 +141,33 @@ def test_placers_plan_with_the_link_model_they_are_judged_by(link_model):
     assert p.schedule.devices.link_model == link_model
     again = p.simulate(link_model)
     assert again.makespan_us == pytest.approx(p.makespan_us)
+
+
+def _tight_devices(graph, ratio, link_model="contention"):
+    seq = _sequential_peak(graph)
+    return BASE.with_link_model(link_model).with_memory(int(ratio * seq / 4))
+
+
+@pytest.mark.parametrize("method", ["m_etf", "m_sct"])
+def test_wide_layered_graph_places_at_1_1_of_the_sequential_peak_per_device(method):
+    graph = synthetic.layered(512, seed=1, width=256)
+    devs = _tight_devices(graph, 1.1)
+    p = place(graph, devs, method=method)
+    limit = int(devs.memory_bytes[0])
+    again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), devs,
+                     p.device_index, p.schedule.order)
+    assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
+
+
+def test_repair_step_keeps_the_order_and_balances_memory():
+    from graphfit.baechi.m_etf import m_etf
+    graph = synthetic.random_dag(600, seed=3, window=300)
+    units = UnitGraph.singletons(graph, np.arange(graph.num_ops))
+    devs = _tight_devices(graph, 1.5)
+    s = m_etf(units, devs, memory_first_only=True)
+    assert s.info["memory_first"] and s.order.tolist() == units.topological_order.tolist()
+    # replayed as TF runs it (one copy per tensor and device, received as early as possible)
+    again = simulate(units, devs, s.device, s.order)
+    assert again.peak_bytes.max() <= 1.15 * devs.memory_bytes[0]
+    assert again.peak_bytes.min() >= 0.5 * again.peak_bytes.max()  # no device left empty
+    assert again.makespan_us < 0.6 * graph.compute_us.sum()        # devices run side by side
