@@ -244,7 +244,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--transport=gpu needs two GPUs; TF sees {num_gpus}. "
                              "Use --transport=grpc or --transport=virtual.")
     began = time.perf_counter()
-    cluster = LocalCluster(3) if transport == "grpc" else nullcontext()
+    cluster = LocalCluster(3, startup_timeout_s=300) if transport == "grpc" else nullcontext()
     with cluster:
         if transport == "grpc":
             target = cluster.run_target
