@@ -201,8 +201,9 @@ def parse_external_graph(data: Mapping) -> ExternalGraph:
     Examples:
         >>> g = parse_external_graph({
         ...     "format": FORMAT,
-        ...     "ops": [{"name": "a", "compute_us": 10}, {"name": "b", "compute_us": 5,
-        ...                                                "fetched_outputs": [0]}],
+        ...     "ops": [{"name": "a", "compute_us": 10},
+        ...             {"name": "b", "compute_us": 5, "output_bytes": [4],
+        ...              "fetched_outputs": [0]}],
         ...     "edges": [{"src": "a", "dst": "b", "bytes": 1000}],
         ...     "devices": [{"name": "left", "memory": "1MiB"}, {"name": "right",
         ...                                                      "memory": 2 ** 64 - 1}]})
