@@ -322,10 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     merged = {"quality": [], "tight": [], "scale": [], "planned_vs_measured": []}
     if os.path.exists(RESULT_PATH):  # a partial run keeps the other sections' results
         with open(RESULT_PATH) as f:
-            merged.update(json.load(f))
+            merged.update({k: v for k, v in json.load(f).items() if k in merged})
     merged.update(result, num_devices=NUM_DEVICES, comm_cost_coeffs=COMM_COEFFS,
                   tight_ratio=TIGHT_RATIO)
-    merged.setdefault("section_s", {}).update({"+".join(sections): time.perf_counter() - began})
+    merged.update(section_s={"+".join(sections): time.perf_counter() - began})
     atomic_write_json(RESULT_PATH, merged)
     _plot(merged)
     print(f"wrote {RESULT_PATH} and {PLOT_PATH} in {time.perf_counter() - began:.0f} s")

@@ -61,7 +61,7 @@ _TRANSPORT = flags.DEFINE_enum("transport", None, ["grpc", "gpu", "virtual"],
                                "else grpc.")
 
 _CONTENTION_POWER = flags.DEFINE_integer(
-    "contention_power", 22, "Concurrent-transfer test: tensors of 2^contention_power float32 "
+    "contention_power", 20, "Concurrent-transfer test: tensors of 2^contention_power float32 "
     "elements.", lower_bound=10, upper_bound=28)
 
 ELEMENT_BYTES = 4  # float32
