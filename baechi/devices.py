@@ -21,8 +21,27 @@ Communication JSON (written by ``tools/communication_benchmark.py``, read by
 the reverse direction. Pairs not listed use ``default``; without ``default`` the mean of the
 listed links is used. Other keys (the benchmark's raw measurements) are ignored.
 
-Device names follow TensorFlow: ``/GPU:0``, ``/device:CPU:1``,
-``/job:worker/task:2/device:CPU:0`` (optionally with ``/replica:0``).
+Link models (``DeviceSet.link_model``): how concurrent transfers share the hardware.
+
+- ``"contention"`` (Baechi's model): each device has one send queue and one receive queue; a
+  transfer holds its sender's send queue and its receiver's receive queue for its whole
+  duration, so two transfers leaving one device (or entering one) run one after the other.
+  Real devices share copy engines, PCIe lanes and NICs; this is the default for GPUs, gRPC
+  workers and any device not in this process's CPU.
+- ``"parallel"``: every ordered device pair is its own link; transfers on different pairs run
+  at the same time, transfers on one pair one after the other. The default when every device
+  is a virtual CPU device of this process (``/device:CPU:i``), which pass tensors zero-copy.
+
+The communication benchmark measures which model a transport follows and writes it as
+``"link_model"`` in its JSON; ``DeviceSet.from_json`` takes it from there.
+
+Device names follow TensorFlow (``/GPU:0``, ``/device:CPU:1``,
+``/job:worker/task:2/device:CPU:0``, optionally with ``/replica:0``) unless
+``require_tf_names=False`` (graphs from other frameworks, ``baechi.external_graph``).
+
+Memory limits are non-negative integers of any size: a limit above ``MAX_MEMORY_BYTES``
+(2^63 - 1, more than any graph can hold) is stored as ``MAX_MEMORY_BYTES``, so "unlimited"
+limits such as 2^62 or 2^64 - 1 per device never overflow a sum.
 """
 
 from __future__ import annotations
@@ -36,8 +55,24 @@ import numpy as np
 
 from graphfit.profiler.sizes import parse_bytes
 
-__all__ = ["Device", "DeviceError", "DeviceSet", "LinkCost", "default_device_names",
-           "parse_comm_coeffs"]
+__all__ = ["Device", "DeviceError", "DeviceSet", "LINK_MODELS", "LinkCost", "MAX_MEMORY_BYTES",
+           "check_link_model", "default_device_names", "parse_comm_coeffs"]
+
+LINK_MODELS = ("contention", "parallel")
+MAX_MEMORY_BYTES = (1 << 63) - 1
+_LOCAL_CPU = re.compile(r"^(/device:|/)CPU:\d+$")
+
+
+def check_link_model(name: str) -> None:
+    """Raise ``DeviceError`` unless ``name`` is one of ``LINK_MODELS``."""
+    if name not in LINK_MODELS:
+        raise DeviceError(f"unknown link model {name!r}; choose one of {LINK_MODELS}")
+
+
+def default_link_model(names: Sequence[str]) -> str:
+    """``"parallel"`` when every device is a virtual CPU device of this process (zero-copy),
+    else ``"contention"``."""
+    return "parallel" if all(_LOCAL_CPU.match(n) for n in names) else "contention"
 
 _DEVICE_NAME = re.compile(
     r"^(/job:[\w.-]+(/replica:\d+)?(/task:\d+)?)?(/device:|/)(CPU|GPU|TPU):\d+$")
@@ -119,30 +154,41 @@ class DeviceSet:
         devices: the devices, in index order (placers refer to devices by index).
         default: link cost for pairs without their own entry.
         links: per ordered pair ``(src name, dst name)`` link costs.
+        link_model: ``"contention"`` or ``"parallel"`` (module docstring); default from the
+            device names (``default_link_model``).
+        require_tf_names: refuse names that are not TF device names.
 
-    Attributes ``names``, ``memory_bytes`` (int64 array), and ``a_us_per_byte`` / ``b_us``
-    (``D x D`` nested lists, zero on the diagonal, for the placers' hot loops).
+    Attributes ``names``, ``memory_bytes`` (int64 array, limits saturated at
+    ``MAX_MEMORY_BYTES``), ``link_model``, and ``a_us_per_byte`` / ``b_us`` (``D x D`` nested
+    lists, zero on the diagonal, for the placers' hot loops).
 
     Raises:
-        DeviceError: on an empty set, a duplicate or malformed name, or negative memory.
+        DeviceError: on an empty set, a duplicate or malformed name, negative memory, or an
+            unknown link model.
     """
 
     def __init__(self, devices: Sequence[Device], default: LinkCost,
-                 links: Mapping[tuple[str, str], LinkCost] | None = None):
+                 links: Mapping[tuple[str, str], LinkCost] | None = None,
+                 link_model: str | None = None, require_tf_names: bool = True):
         if not devices:
             raise DeviceError("a device set needs at least one device")
         self.devices = list(devices)
         self.names = [d.name for d in self.devices]
         if len(set(self.names)) != len(self.names):
             raise DeviceError(f"duplicate device names in {self.names}")
-        for name in self.names:
+        for name in self.names if require_tf_names else ():
             if not _DEVICE_NAME.match(name):
                 raise DeviceError(
                     f"device name {name!r} is not a TF device name such as /GPU:0, "
                     "/device:CPU:1 or /job:worker/task:2/device:CPU:0")
+        if any(d.memory_bytes < 0 for d in self.devices):
+            raise DeviceError(f"negative memory limit in {[d.memory_bytes for d in devices]}")
+        self.devices = [Device(d.name, min(int(d.memory_bytes), MAX_MEMORY_BYTES))
+                        for d in self.devices]
         self.memory_bytes = np.array([d.memory_bytes for d in self.devices], dtype=np.int64)
-        if (self.memory_bytes < 0).any():
-            raise DeviceError(f"negative memory limit in {self.memory_bytes.tolist()}")
+        self.require_tf_names = require_tf_names
+        self.link_model = link_model or default_link_model(self.names)
+        check_link_model(self.link_model)
         self.default = default
         links = dict(links or {})
         self.links = {}
@@ -158,7 +204,7 @@ class DeviceSet:
 
     @classmethod
     def uniform(cls, names: Sequence[str], memory_bytes: int | str | Sequence[int | str],
-                link: LinkCost | str) -> "DeviceSet":
+                link: LinkCost | str, link_model: str | None = None) -> "DeviceSet":
         """Devices with the given memory (one size for all, or one per device) and one link
         cost for every pair (a ``LinkCost`` or an ``a,b`` string as in ``--comm_cost_coeffs``)."""
         if isinstance(memory_bytes, (str, int, np.integer)):
@@ -167,7 +213,8 @@ class DeviceSet:
             raise DeviceError(f"{len(memory_bytes)} memory sizes for {len(names)} devices")
         if isinstance(link, str):
             link = parse_comm_coeffs(link)
-        return cls([Device(n, parse_bytes(m)) for n, m in zip(names, memory_bytes)], link)
+        return cls([Device(n, parse_bytes(m)) for n, m in zip(names, memory_bytes)], link,
+                   link_model=link_model)
 
     @classmethod
     def from_json(cls, names: Sequence[str], memory_bytes: int | str | Sequence[int | str],
@@ -196,12 +243,15 @@ class DeviceSet:
                 raise DeviceError("communication JSON has neither 'default' nor 'links'")
             default = LinkCost(float(np.mean([l.a_us_per_byte for l in links.values()])),
                                float(np.mean([l.b_us for l in links.values()])))
+        link_model = source.get("link_model")
+        if link_model is not None:
+            check_link_model(link_model)
         uniform = cls.uniform(names, memory_bytes, default)
-        return cls(uniform.devices, default, links)
+        return cls(uniform.devices, default, links, link_model=link_model)
 
     def to_json(self) -> dict:
         """The link costs in the communication-JSON schema (plus device names and memory)."""
-        return {"default": self.default.to_json(),
+        return {"default": self.default.to_json(), "link_model": self.link_model,
                 "links": [{"src": self.names[i], "dst": self.names[j], **c.to_json()}
                           for (i, j), c in sorted(self.links.items())],
                 "devices": [{"name": d.name, "memory_bytes": d.memory_bytes}
@@ -213,8 +263,17 @@ class DeviceSet:
             memory_bytes = [int(memory_bytes)] * len(self)
         copy = DeviceSet.__new__(DeviceSet)
         copy.__dict__.update(self.__dict__)
-        copy.devices = [Device(d.name, int(m)) for d, m in zip(self.devices, memory_bytes)]
-        copy.memory_bytes = np.array(memory_bytes, dtype=np.int64)
+        copy.devices = [Device(d.name, min(int(m), MAX_MEMORY_BYTES))
+                        for d, m in zip(self.devices, memory_bytes)]
+        copy.memory_bytes = np.array([d.memory_bytes for d in copy.devices], dtype=np.int64)
+        return copy
+
+    def with_link_model(self, link_model: str) -> "DeviceSet":
+        """The same devices, limits and link costs under another link model."""
+        check_link_model(link_model)
+        copy = DeviceSet.__new__(DeviceSet)
+        copy.__dict__.update(self.__dict__)
+        copy.link_model = link_model
         return copy
 
     def transfer_us(self, src: int, dst: int, num_bytes: float) -> float:
@@ -233,4 +292,5 @@ class DeviceSet:
         return len(self.devices)
 
     def __repr__(self) -> str:
-        return f"DeviceSet({self.names}, memory_bytes={self.memory_bytes.tolist()})"
+        return (f"DeviceSet({self.names}, memory_bytes={self.memory_bytes.tolist()}, "
+                f"link_model={self.link_model!r})")

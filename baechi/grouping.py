@@ -28,6 +28,8 @@ from graphfit.profiler.cost_graph import CostGraph
 __all__ = ["tf_colocation_groups", "coplacement_groups", "GROUPERS", "groups_for"]
 
 GROUPERS = ("tf", "coplace")
+# TF also colocates every reader of a reference variable with it (the reader gets the ref).
+_REF_VARIABLE_TYPES = frozenset({"VariableV2", "Variable"})
 
 
 def _labels(uf: nx.utils.UnionFind, n: int) -> np.ndarray:
@@ -49,7 +51,9 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
     """Group ids per op for the constraints TF's placer enforces.
 
     Ops sharing a ``colocation_groups`` label share a group; so do a variable op (``is_variable``)
-    and every op reading one of its outputs (the resource handle or ref).
+    and every op reading one of its outputs as a resource (``reads_resource``, what TF enforces
+    for resource handles; every reader of a reference variable ``VariableV2``). A reader without ``reads_resource`` (a weight buffer of a graph from
+    another framework) is free to run elsewhere unless a colocation label ties it.
 
     Parameters:
         graph: the cost graph.
@@ -61,7 +65,8 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
         >>> from profiler.cost_graph import CostGraph, OpSpec
         >>> g = CostGraph.from_ops([
         ...     OpSpec("w", "VarHandleOp", output_bytes=[8], is_variable=True),
-        ...     OpSpec("read", "ReadVariableOp", inputs=[("w", 0)], output_bytes=[64]),
+        ...     OpSpec("read", "ReadVariableOp", inputs=[("w", 0)], output_bytes=[64],
+        ...            reads_resource=True),
         ...     OpSpec("y", "MatMul", inputs=[("read", 0)], output_bytes=[64]),
         ...     OpSpec("z", "Relu", inputs=[("y", 0)], colocation_group="y")])
         >>> tf_colocation_groups(g).tolist()
@@ -77,7 +82,8 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
     for i in np.flatnonzero(graph.is_variable).tolist():
         for t in graph.op_outputs(i):
             for j in graph.tensor_consumers(t).tolist():
-                uf.union(i, j)
+                if graph.reads_resource[j] or graph.op_types[i] in _REF_VARIABLE_TYPES:
+                    uf.union(i, j)
     return _labels(uf, graph.num_ops)
 
 

@@ -26,6 +26,7 @@ import heapq
 import numpy as np
 
 from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.memory_first import memory_first
 from graphfit.baechi.schedule import PlacementError, Schedule, ScheduleBuilder
 from graphfit.baechi.units import UnitGraph
 
@@ -48,7 +49,8 @@ def _shortfall_message(builder: ScheduleBuilder, blocked: list[int], method: str
 
 
 def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
-          favourite_parent: np.ndarray | None = None, method: str = "m_etf") -> Schedule:
+          favourite_parent: np.ndarray | None = None, method: str = "m_etf",
+          memory_first_only: bool = False) -> Schedule:
     """Place and schedule ``units`` on ``devices`` with memory-constrained ETF.
 
     Parameters:
@@ -59,19 +61,32 @@ def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
             m-SCT passes its rounded LP solution here; a unit whose favourite parent's
             device has room goes there, otherwise it is placed as in plain ETF.
         method: name used in error messages.
+        memory_first_only: skip list scheduling and go straight to the repair step (a caller
+            that already saw list scheduling fail at a higher limit).
 
     Returns:
         The ``Schedule`` (device, start and finish per unit; exact per-device peak bytes).
 
     Raises:
-        PlacementError: when ready units fit on no device and no memory will be released;
-            the message names the unit, the device and the missing bytes.
+        PlacementError: when ready units fit on no device and no memory will be released,
+            even in sequential order (``baechi.memory_first``, the repair step); the message
+            names the unit, the device and the missing bytes.
 
     References:
         Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020.
         Hwang et al., "Scheduling precedence graphs in systems with interprocessor
         communication times", SIAM J. Comput. 18(2), 1989.
     """
+    if not memory_first_only:
+        try:
+            return _earliest_task_first(units, devices, memory_model, favourite_parent, method)
+        except PlacementError:
+            pass
+    return memory_first(units, devices, memory_model, favourite_parent, method)
+
+
+def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str,
+                         favourite_parent: np.ndarray | None, method: str) -> Schedule:
     builder = ScheduleBuilder(units, devices, memory_model)
     num_devices = len(devices)
     priority = (-units.bottom_level_us()).tolist()

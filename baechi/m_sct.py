@@ -21,7 +21,8 @@ __all__ = ["m_sct"]
 
 
 def m_sct(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
-          threshold: float = 0.5, lp_solver: str = "highs") -> Schedule:
+          threshold: float = 0.5, lp_solver: str = "highs",
+          memory_first_only: bool = False) -> Schedule:
     """Place and schedule ``units`` with m-SCT.
 
     Parameters:
@@ -30,6 +31,7 @@ def m_sct(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
         memory_model: ``"liveness"`` (default) or ``"static"`` for the fit test.
         threshold: LP value below which an edge may become a favourite (``--sct_threshold``).
         lp_solver: ``"highs"`` (default), ``"cvxopt"`` or ``"mosek"``.
+        memory_first_only: as in ``baechi.m_etf.m_etf``.
 
     Returns:
         The ``Schedule``; ``info`` holds the LP's rows, columns, non-zeros, solve seconds,
@@ -46,7 +48,7 @@ def m_sct(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
     lp = solve_favourite_lp(units, devices.mean_link(), lp_solver)
     _, favourite_parent = round_favourites(lp.edges, lp.x, units.num_units, threshold, lp.comm_us)
     schedule = m_etf(units, devices, memory_model, favourite_parent=favourite_parent,
-                     method="m_sct")
+                     method="m_sct", memory_first_only=memory_first_only)
     schedule.info.update(lp_rows=lp.num_rows, lp_cols=lp.num_cols, lp_nnz=lp.nnz,
                          lp_solve_s=lp.solve_s, lp_solver=lp.solver,
                          lp_makespan_us=lp.makespan_us,

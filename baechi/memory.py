@@ -10,6 +10,8 @@ Three models, selectable everywhere a placement is made:
   runs; an output from its producer's start until its last consumer on that device has finished
   and its last transfer out has ended (an output nobody reads dies with its producer); a received
   copy from its transfer's start until its last consumer on the receiving device has finished.
+  An output that is a persistent buffer counts with the persistent bytes; a fetched output is
+  held until the step ends.
   Releases at a time happen before allocations at the same time (one op's end, the next's start).
 - ``"shared"``: liveness where devices share one memory and read each other's tensors in place
   (TensorFlow's virtual CPU devices of one process pass tensors zero-copy, and the allocator's
@@ -101,6 +103,7 @@ def _liveness_levels(s: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:
     np.maximum.at(last, s.transfer_tensor * num_devices + s.transfer_src, s.transfer_end_us)
     out_key = np.arange(num_t) * num_devices + device[producer]
     out_end = np.maximum(last[out_key], s.finish_us[producer])
+    out_end[units.tensor_fetched] = np.inf
     copies = np.zeros(0, dtype=np.int64) if shared else s.transfer_tensor
     copy_end = last[copies * num_devices + s.transfer_dst[:len(copies)]]
 
@@ -108,7 +111,7 @@ def _liveness_levels(s: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:
                           s.transfer_dst[:len(copies)], s.transfer_dst[:len(copies)]])
     time = np.concatenate([s.start_us, s.finish_us, s.start_us[producer], out_end,
                            s.transfer_start_us[:len(copies)], copy_end])
-    tb = units.tensor_bytes
+    tb = np.where(units.tensor_persistent, 0, units.tensor_bytes)
     cb = units.tensor_bytes[copies]
     delta = np.concatenate([units.temp_bytes, -units.temp_bytes, tb, -tb, cb, -cb])
     keep = delta != 0

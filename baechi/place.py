@@ -8,7 +8,8 @@ limit, every colocation group on one device).
 
 ``placer_type``:
 
-- ``"default"``: one unit per op; TF's colocation groups are kept on one device.
+- ``"default"``: one unit per op; TF's colocation groups are kept on one device (the
+  ``grouper`` is not used).
 - ``"colocation"``: one unit per op; the ``grouper``'s groups are kept on one device.
 - ``"fusion"``: the ``grouper``'s groups are fused into units (``baechi.fusion``) first.
 """
@@ -37,7 +38,7 @@ __all__ = ["METHODS", "PLACER_TYPES", "Placement", "PlacementError", "makespan_l
 
 METHODS = ("m_topo", "m_etf", "m_sct")
 PLACER_TYPES = ("default", "colocation", "fusion")
-MAX_ATTEMPTS = 4
+MAX_ATTEMPTS = 6
 
 
 @dataclasses.dataclass
@@ -73,6 +74,30 @@ class Placement:
     def makespan_us(self) -> float:
         return self.schedule.makespan_us
 
+    def simulate(self, link_model: str) -> Schedule:
+        """The placed step (same devices, same order) simulated under another link model."""
+        return simulate(self.schedule.units, self.devices.with_link_model(link_model),
+                        self.device_index,
+                        self.schedule.order, self.schedule.memory_model)
+
+    def transfers(self) -> list[dict]:
+        """Every simulated transfer by name: the tensor (``producer:port``, or
+        ``producer:control`` for a control edge), source and destination device, bytes, start
+        and end in µs, in order of start."""
+        s, g, names = self.schedule, self.graph, self.devices.names
+        op_tensor = s.units.tensor_op_tensor
+        rows = []
+        for k in np.argsort(s.transfer_start_us, kind="stable").tolist():
+            t = int(s.transfer_tensor[k])
+            tensor = (g.tensor_name(int(op_tensor[t])) if op_tensor[t] >= 0 else
+                      f"{s.units.unit_name(int(s.units.tensor_producer[t]))}:control")
+            rows.append({"tensor": tensor, "src": names[int(s.transfer_src[k])],
+                         "dst": names[int(s.transfer_dst[k])],
+                         "bytes": int(s.units.tensor_bytes[t]),
+                         "start_us": float(s.transfer_start_us[k]),
+                         "end_us": float(s.transfer_end_us[k])})
+        return rows
+
     @property
     def peak_bytes(self) -> np.ndarray:
         """Simulated peak bytes per device (under the placement's memory model)."""
@@ -107,9 +132,9 @@ def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _check_fits(units: UnitGraph, devices: DeviceSet) -> None:
     """Fail early, with the missing bytes, on instances no placer can solve."""
-    limit = int(devices.memory_bytes.max())
-    total = int(devices.memory_bytes.sum())
-    persistent = int(units.persistent_bytes.sum())
+    limits = [int(m) for m in devices.memory_bytes.tolist()]  # Python ints: sums never wrap
+    limit, total = max(limits), sum(limits)
+    persistent = sum(units.persistent_bytes.tolist())
     if persistent > total:
         raise PlacementError(
             f"the variables alone need {persistent} bytes but the devices hold {total} in "
@@ -168,7 +193,8 @@ def _op_order(graph: CostGraph, units: UnitGraph, unit_schedule: Schedule) -> np
 
 def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
           placer_type: str = "default", grouper: str = "tf", memory_model: str = "liveness",
-          sct_threshold: float = 0.5, lp_solver: str = "highs") -> Placement:
+          sct_threshold: float = 0.5, lp_solver: str = "highs",
+          link_model: str | None = None) -> Placement:
     """Place every op of ``cost_graph`` on ``devices`` within their memory limits.
 
     Parameters:
@@ -180,6 +206,8 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
         memory_model: ``"liveness"`` (default) or ``"static"`` (``baechi.memory``).
         sct_threshold: m-SCT's LP rounding threshold.
         lp_solver: m-SCT's LP solver: ``"highs"`` (default), ``"cvxopt"``, ``"mosek"``.
+        link_model: ``"contention"`` or ``"parallel"`` (``baechi.devices``); default:
+            ``devices.link_model``. The placers plan with it and the step is simulated in it.
 
     Returns:
         The checked ``Placement``.
@@ -205,47 +233,64 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
     _check_option("grouper", grouper, GROUPERS)
     _check_option("lp_solver", lp_solver, LP_SOLVERS)
     check_memory_model(memory_model)
+    if link_model is not None:
+        devices = devices.with_link_model(link_model)
     began = time.perf_counter()
     tf_groups = tf_colocation_groups(cost_graph)
-    groups = tf_groups if grouper == "tf" else coplacement_groups(cost_graph, tf_groups)
+    groups = tf_groups if grouper == "tf" or placer_type == "default" else \
+        coplacement_groups(cost_graph, tf_groups)
     if placer_type == "fusion":
         units = fuse(cost_graph, groups)
     else:
-        units = UnitGraph.singletons(cost_graph, tf_groups if placer_type == "default"
-                                     else groups)
+        units = UnitGraph.singletons(cost_graph, groups)
     _check_fits(units, devices)
-    # The placers' fit test is approximate (received copies, fused units): when the exact
-    # simulation overshoots a device, place again with that device's limit lowered by the
-    # overshoot, a few times at most.
+    # The placers' fit test is approximate (received copies, fused units, the repair step's
+    # transient copies): when the exact simulation overshoots a device, m-ETF and m-SCT place
+    # again with their repair step (baechi.memory_first), then with that device's limit lowered
+    # by the overshoot, a few times at most.
     limits = devices.memory_bytes.copy()
     placement_s = 0.0
+    repair = False
     for attempt in range(1, MAX_ATTEMPTS + 1):
         began_attempt = time.perf_counter()
         placer_devices = devices.with_memory(limits.tolist())
-        if method == "m_topo":
-            unit_schedule = m_topo(units, placer_devices, memory_model)
-        elif method == "m_etf":
-            unit_schedule = m_etf(units, placer_devices, memory_model)
-        else:
-            unit_schedule = m_sct(units, placer_devices, memory_model, sct_threshold, lp_solver)
+        try:
+            if method == "m_topo":
+                unit_schedule = m_topo(units, placer_devices, memory_model)
+            elif method == "m_etf":
+                unit_schedule = m_etf(units, placer_devices, memory_model,
+                                      memory_first_only=repair)
+            else:
+                unit_schedule = m_sct(units, placer_devices, memory_model, sct_threshold,
+                                      lp_solver, memory_first_only=repair)
+        except PlacementError as e:
+            if attempt == 1:
+                raise
+            raise PlacementError(
+                f"{e} (this was attempt {attempt}: the simulated step of the earlier ones went "
+                f"over the limits by up to {int(over.max())} bytes)") from None
         placement_s += time.perf_counter() - (began if attempt == 1 else began_attempt)
         device_index = unit_schedule.device[units.unit_of_op]
-        if units.num_units == cost_graph.num_ops:
+        repaired = unit_schedule.info.get("memory_first", False)
+        if units.num_units == cost_graph.num_ops and not repaired:
             schedule = dataclasses.replace(unit_schedule, devices=devices)
-        else:
+        else:  # fused units, or the repair step's transient copies: replay as TF runs it
             order = _op_order(cost_graph, units, unit_schedule)
             schedule = simulate(UnitGraph.singletons(cost_graph, tf_groups), devices,
                                 device_index, order, memory_model)
         over = schedule.peak_bytes - devices.memory_bytes
         if (over <= 0).all():
             break
-        limits = limits - np.maximum(over, 0)
+        if method != "m_topo" and not repaired:
+            repair = True  # the repair step at the same limits first
+        else:
+            limits = limits - np.maximum(over, 0)
     unit_schedule.info["placement_attempts"] = attempt
     placement = Placement(
         graph=cost_graph, devices=devices, device_index=device_index, schedule=schedule,
         unit_schedule=unit_schedule, units=units, placement_s=placement_s,
         options={"method": method, "placer_type": placer_type, "grouper": grouper,
                  "memory_model": memory_model, "sct_threshold": sct_threshold,
-                 "lp_solver": lp_solver})
+                 "lp_solver": lp_solver, "link_model": devices.link_model})
     _check_postconditions(placement, tf_groups, groups)
     return placement

@@ -3,8 +3,10 @@
 ``ScheduleBuilder`` commits units to devices one at a time, in a nondecreasing "clock" of start
 times (list scheduling): a unit starts when its device is free and its inputs have arrived;
 a tensor crossing devices is sent once per destination device (later readers there reuse the
-copy) and transfers are serialised per link direction (an ordered device pair), each starting
-when the tensor exists and the link is free. m-TOPO, m-ETF and m-SCT differ only in which unit
+copy), each transfer starting when the tensor exists and its channel is free. Under the
+devices' ``link_model`` (``baechi.devices``) that channel is the sender's send queue and the
+receiver's receive queue together (``"contention"``, Baechi's model) or the ordered device pair
+(``"parallel"``). m-TOPO, m-ETF and m-SCT differ only in which unit
 they commit next and where; ``simulate`` replays a given placement and order with the same
 machinery, so a placer's schedule and the simulated step are the same computation.
 
@@ -114,6 +116,12 @@ class ScheduleBuilder:
         monotone: commit start times never go below the clock (the placers need this for
             their memory accounting); without it a unit starts as soon as its device and
             inputs allow, whatever was committed before it on other devices.
+        transient_copies: a received copy is freed as soon as its readers committed so far
+            have finished (instead of when every reader of the tensor anywhere has been
+            committed); a reader committed while the copy is still there extends it, and a
+            reader after it is gone receives the tensor again (``refetches``; TF receives a
+            tensor once per device, so the caller replays the placement with ``simulate``).
+            ``baechi.memory_first`` uses it.
 
     A placer repeatedly picks a ready unit and a device, asks ``shortfall_bytes`` (<= 0: fits)
     and ``data_ready_us`` (when its inputs would be there), and calls ``commit``, which returns
@@ -121,9 +129,12 @@ class ScheduleBuilder:
     """
 
     def __init__(self, units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
-                 monotone: bool = True):
+                 monotone: bool = True, transient_copies: bool = False):
         check_memory_model(memory_model)
         self.monotone = monotone
+        self.transient_copies = transient_copies and memory_model == "liveness"
+        self.copy_free_at: dict[int, float] = {}   # t * D + device -> scheduled release
+        self.gone: set[int] = set()                # t * D + device: copy freed, not again
         self.units, self.devices = units, devices
         # The fit test of "shared" is liveness's (a received copy is charged: conservative on
         # the reader, optimistic on the producer; place() re-checks the exact peaks).
@@ -142,6 +153,9 @@ class ScheduleBuilder:
         self._t_bytes = units.tensor_bytes.tolist()
         self._t_comm = np.maximum(units.tensor_bytes, CONTROL_EDGE_BYTES).tolist()
         self._t_producer = units.tensor_producer.tolist()
+        # Persistent outputs (charged with the unit's persistent bytes) and fetched outputs
+        # (held to the end) are never released on their producer's device.
+        self._t_held = (units.tensor_persistent | units.tensor_fetched).tolist()
         self._a, self._b = devices.a_us_per_byte, devices.b_us
         self.limit = devices.memory_bytes.tolist()
         group_persistent = np.bincount(units.group, weights=units.persistent_bytes,
@@ -153,14 +167,17 @@ class ScheduleBuilder:
         self.finish = [0.0] * n
         self.order: list[int] = []
         self.device_free = [0.0] * d
-        self.link_free = [[0.0] * d for _ in range(d)]
+        self.contention = devices.link_model == "contention"
+        self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
+        self.send_free = [0.0] * d                       # contention: per device and direction
+        self.recv_free = [0.0] * d
         self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
         self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
         self.remaining = [len(c) for c in self._consumers]
         self.level = [0] * d                         # bytes resident at the clock
         self.high_water = [0] * d                    # highest level seen so far
-        self.pending_frees: list[tuple[float, int, int]] = []
+        self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float]] = []
         indegree = np.zeros(n, dtype=np.int64)
@@ -197,11 +214,15 @@ class ScheduleBuilder:
         sends = []
         if needed:
             needed.sort()
-            link_time: dict[int, float] = {}
+            sent: dict[int, float] = {}  # source -> when its channel to d is free again
+            received = self.recv_free[d]
             for available, t, src in needed:
-                begin = max(available, link_time.get(src, self.link_free[src][d]))
+                if self.contention:
+                    begin = max(available, sent.get(src, self.send_free[src]), received)
+                else:
+                    begin = max(available, sent.get(src, self.link_free[src][d]))
                 end = begin + self._a[src][d] * self._t_comm[t] + self._b[src][d]
-                link_time[src] = end
+                sent[src] = received = end
                 sends.append((t, src, begin, end))
                 if end > ready:
                     ready = end
@@ -232,6 +253,12 @@ class ScheduleBuilder:
                 - self.limit[d]
         return self.level[d] + need - self.limit[d]
 
+    def refetches(self, u: int, d: int) -> bool:
+        """Whether ``u`` on ``d`` would receive again an input whose copy ``d`` already freed
+        (``transient_copies``)."""
+        dd = self.num_devices
+        return any(t * dd + d in self.gone for t in self._inputs[u])
+
     def growth_bytes(self, u: int, d: int) -> int:
         """Net bytes committing ``u`` on ``d`` would add to ``d`` once it ends: what it
         allocates minus the local inputs it is the last reader of (a rough, liveness-only
@@ -239,10 +266,10 @@ class ScheduleBuilder:
         grow = self._out_bytes[u]
         dd = self.num_devices
         for t in self._inputs[u]:
-            here = self.device[self._t_producer[t]] == d or (t * dd + d) in self.arrival
-            if not here:
+            local = self.device[self._t_producer[t]] == d
+            if not local and (t * dd + d) not in self.arrival:
                 grow += self._t_bytes[t]
-            elif self.remaining[t] == 1 and self.liveness:
+            elif self.remaining[t] == 1 and self.liveness and not (local and self._t_held[t]):
                 grow -= self._t_bytes[t]
         return grow
 
@@ -259,7 +286,12 @@ class ScheduleBuilder:
         released = False
         frees = self.pending_frees
         while frees and frees[0][0] <= self.clock:
-            _, d, nbytes = heapq.heappop(frees)
+            when, d, nbytes, copy = heapq.heappop(frees)
+            if copy >= 0:
+                if self.copy_free_at.get(copy) != when:
+                    continue  # extended by a later reader
+                del self.copy_free_at[copy], self.arrival[copy]
+                self.gone.add(copy)
             self.level[d] -= nbytes
             released = True
         return released
@@ -269,9 +301,9 @@ class ScheduleBuilder:
         if self.level[d] > self.high_water[d]:
             self.high_water[d] = self.level[d]
 
-    def _release_later(self, time_us: float, d: int, nbytes: int) -> None:
+    def _release_later(self, time_us: float, d: int, nbytes: int, copy: int = -1) -> None:
         if self.liveness and nbytes:
-            heapq.heappush(self.pending_frees, (time_us, d, nbytes))
+            heapq.heappush(self.pending_frees, (time_us, d, nbytes, copy))
 
     def commit(self, u: int, d: int) -> list[int]:
         """Run unit ``u`` on device ``d`` as early as possible at or after the clock; returns
@@ -288,10 +320,11 @@ class ScheduleBuilder:
             self.level[d] += self.group_persistent[g]
             self.high_water[d] += self.group_persistent[g]
         for t, src, t_begin, t_end in sends:
-            self.link_free[src][d] = t_end
+            self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end))
-            self.holders[t].append(d)
+            if not self.transient_copies:
+                self.holders[t].append(d)
             key = t * dd + src
             if self.last_use.get(key, 0.0) < t_end:
                 self.last_use[key] = t_end
@@ -302,13 +335,19 @@ class ScheduleBuilder:
             key = t * dd + d
             if self.last_use.get(key, 0.0) < end:
                 self.last_use[key] = end
+            if self.transient_copies and self.device[self._t_producer[t]] != d and \
+                    self.copy_free_at.get(key, -1.0) < end:
+                self.copy_free_at[key] = end
+                self._release_later(end, d, self._t_bytes[t], key)
             self.remaining[t] -= 1
             if self.remaining[t] == 0:
                 for h in self.holders[t]:
                     self._release_later(self.last_use[t * dd + h], h, self._t_bytes[t])
         for t in self._outputs[u]:
+            if self._t_held[t]:
+                continue
             self.holders[t].append(d)
-            if self.remaining[t] == 0:  # a graph output: freed when its producer ends
+            if self.remaining[t] == 0:  # an output nobody reads: freed when its producer ends
                 self._release_later(end, d, self._t_bytes[t])
         self.device[u], self.start[u], self.finish[u] = d, begin, end
         self.device_free[d] = end
@@ -349,14 +388,14 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
     """Simulate one step of a placed unit graph.
 
     Units start in ``order`` (default: topological), each as soon as its device is free and its
-    inputs have arrived; transfers are serialised per link direction. With ``in_order`` (the
+    inputs have arrived; transfers share channels as ``devices.link_model`` says. With ``in_order`` (the
     default, what the placers do) no unit starts before an earlier unit of ``order``, so a
     placer's commit order replays its schedule exactly; without it each device runs its units
     as early as possible (memory peaks can then differ from the placer's).
 
     Parameters:
         units: the unit graph (``UnitGraph.singletons`` for plain op graphs).
-        devices: device set (link costs; memory limits are not enforced here).
+        devices: device set (link costs and link model; memory limits are not enforced here).
         device_of_unit: device index per unit.
         order: a topological order of all units (e.g. a placer's commit order).
         memory_model: how ``peak_bytes`` is computed (``"liveness"`` or ``"static"``).

@@ -8,6 +8,11 @@ live while the unit runs; Baechi counted only the temporary maximum, which under
 units). Its outputs are the distinct tensors leaving it; a control edge between two units becomes
 a zero-byte "tensor" (a 4-byte transfer when it crosses devices, as in Baechi).
 
+An output that *is* a persistent buffer (``CostGraph.tensor_persistent``) counts in its unit's
+persistent bytes and not as a transient output (a copy sent to another device is transient
+there); a fetched output (``CostGraph.tensor_fetched``) always leaves its unit and is held until
+the step ends.
+
 Arrays are indexed by unit id; units are numbered by their first op, so for a one-op-per-unit
 partition unit ids equal op ids.
 """
@@ -41,7 +46,7 @@ class UnitGraph:
     """Units of a cost graph, with per-unit costs and the tensors that flow between units.
 
     Per unit ``u``: ``compute_us``, ``persistent_bytes``, ``temp_bytes``, ``output_bytes``
-    (sum of its outputs), ``group`` (colocation group id: units of one group share a device),
+    (sum of its transient outputs), ``group`` (colocation group id: units of one group share a device),
     ``ops(u)`` (original op ids). Per unit tensor ``t``: ``tensor_bytes`` (0 for a control
     edge), ``tensor_producer`` (unit), ``tensor_op_tensor`` (the CostGraph tensor id, -1 for a
     control edge), ``consumers(t)`` (distinct units other than the producer). ``inputs(u)`` and
@@ -87,9 +92,12 @@ class UnitGraph:
         has_consumer = np.zeros(graph.num_tensors, dtype=bool)
         has_consumer[edge_tensor] = True
         cross = edge_consumer != edge_producer
-        leaves = np.zeros(graph.num_tensors, dtype=bool)
+        leaves = graph.tensor_fetched.copy()
         leaves[edge_tensor[cross]] = True
-        internal = has_consumer & ~leaves
+        persistent = graph.tensor_persistent
+        np.add.at(self.persistent_bytes, unit[graph.tensor_producer[persistent]],
+                  graph.tensor_bytes[persistent])
+        internal = has_consumer & ~leaves & ~persistent
         np.add.at(self.temp_bytes, unit[graph.tensor_producer[internal]],
                   graph.tensor_bytes[internal])
         kept = np.flatnonzero(leaves | ~has_consumer)  # leaving the unit, or a graph output
@@ -110,6 +118,9 @@ class UnitGraph:
             [graph.tensor_bytes[kept], np.zeros(len(ctrl_producers), np.int64)])
         self.tensor_producer = np.concatenate(
             [unit[graph.tensor_producer[kept]], np.array(ctrl_producers, dtype=np.int64)])
+        no_ctrl = np.zeros(len(ctrl_producers), dtype=bool)
+        self.tensor_persistent = np.concatenate([persistent[kept], no_ctrl])
+        self.tensor_fetched = np.concatenate([graph.tensor_fetched[kept], no_ctrl])
         new_id = np.full(graph.num_tensors, -1, dtype=np.int64)
         new_id[kept] = np.arange(n_data)
         ctrl_id = {p: n_data + k for k, p in enumerate(ctrl_producers)}
@@ -120,8 +131,9 @@ class UnitGraph:
         self._input_offset, self._inputs = _csr(pair_u, pair_t, n)
         self._output_offset, self._outputs = _csr(self.tensor_producer,
                                                   np.arange(n_t, dtype=np.int64), n)
-        self.output_bytes = np.bincount(self.tensor_producer, weights=self.tensor_bytes,
-                                        minlength=n).astype(np.int64)
+        self.output_bytes = np.bincount(
+            self.tensor_producer, weights=np.where(self.tensor_persistent, 0, self.tensor_bytes),
+            minlength=n).astype(np.int64)
         self.topological_order = self._topological_order(pair_t, pair_u)
 
     @classmethod

@@ -52,6 +52,10 @@ class OpSpec:
 
     ``inputs`` are ``(producer name, output port)`` pairs in input order; ``control_inputs`` are
     producer names. ``colocation_group`` defaults to the op's own name (a group of one).
+    ``persistent_outputs`` are ports whose output *is* a persistent buffer (a weight a framework
+    hands out as an op output): held all step on the producer's device, counted once (not in
+    ``persistent_bytes`` too). ``fetched_outputs`` are ports the caller fetches: held until the
+    step ends.
     """
 
     name: str
@@ -69,6 +73,8 @@ class OpSpec:
     is_variable: bool = False
     reads_resource: bool = False
     measured: bool = True
+    persistent_outputs: Sequence[int] = ()
+    fetched_outputs: Sequence[int] = ()
 
 
 def _csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +129,8 @@ class CostGraph:
     ``devices[i]`` (requested or assigned), ``colocation_groups[i]``, and arrays
     ``compute_us``, ``temp_bytes``, ``persistent_bytes``, ``is_stateful``, ``is_random``,
     ``is_variable``, ``reads_resource``, ``measured``.
-    Per tensor ``t``: ``tensor_producer[t]``, ``tensor_port[t]``, ``tensor_bytes[t]``.
+    Per tensor ``t``: ``tensor_producer[t]``, ``tensor_port[t]``, ``tensor_bytes[t]``,
+    ``tensor_persistent[t]`` and ``tensor_fetched[t]`` (``OpSpec``).
     CSR adjacency: ``op_inputs(i)`` (tensor ids in input order), ``tensor_consumers(t)``
     (distinct consumer ops, ascending), ``control_inputs(i)`` (op ids).
     """
@@ -154,6 +161,8 @@ class CostGraph:
         self.tensor_port = (np.arange(int(self.output_offset[-1]), dtype=np.int32)
                             - self.output_offset[:-1].repeat(counts).astype(np.int32))
         self.tensor_bytes = np.array([b for s in specs for b in s.output_bytes], dtype=np.int64)
+        self.tensor_persistent = self._port_flags(specs, counts, "persistent_outputs")
+        self.tensor_fetched = self._port_flags(specs, counts, "fetched_outputs")
 
         input_rows = []
         for s in specs:
@@ -174,6 +183,17 @@ class CostGraph:
         self._consumer_offset, self._consumers = _csr(consumer_rows)
         self._control_offset, self._control = _csr(
             [sorted({self.index[c] for c in s.control_inputs}) for s in specs])
+
+    def _port_flags(self, specs: Sequence[OpSpec], counts: np.ndarray, field: str) -> np.ndarray:
+        """Per tensor: whether its port is listed in the op spec's ``field``."""
+        flags = np.zeros(int(self.output_offset[-1]), dtype=bool)
+        for i, s in enumerate(specs):
+            for port in getattr(s, field):
+                if not 0 <= port < counts[i]:
+                    raise CostGraphError(f"op {s.name!r} lists output {port} in {field}, but "
+                                         f"has {counts[i]} outputs")
+                flags[int(self.output_offset[i]) + port] = True
+        return flags
 
     @classmethod
     def from_ops(cls, specs: Iterable[OpSpec]) -> "CostGraph":
@@ -274,7 +294,11 @@ class CostGraph:
                 colocation_group=self.colocation_groups[i],
                 is_stateful=bool(self.is_stateful[i]), is_random=bool(self.is_random[i]),
                 is_variable=bool(self.is_variable[i]),
-                reads_resource=bool(self.reads_resource[i]), measured=bool(self.measured[i]))
+                reads_resource=bool(self.reads_resource[i]), measured=bool(self.measured[i]),
+                persistent_outputs=[int(t - self.output_offset[i]) for t in self.op_outputs(i)
+                                    if self.tensor_persistent[t]],
+                fetched_outputs=[int(t - self.output_offset[i]) for t in self.op_outputs(i)
+                                 if self.tensor_fetched[t]])
             for i in range(self.num_ops)]
 
     def __repr__(self) -> str:

@@ -8,6 +8,9 @@ Two families, both seeded and deterministic:
   activation memory peaks at the loss, as in real training, which is what rematerialization and
   liveness-aware placement exploit.
 - ``random_dag``: ops reading 1-3 recent ops' outputs, with random sizes and costs.
+- ``layered``: layers of equal width, each op reading 1-3 ops of the layer before; the live
+  set is a whole layer (what wide models such as Inception or multi-branch networks look like
+  to a placer), so memory, not the critical path, is what constrains placing it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
-__all__ = ["training_like", "random_dag"]
+__all__ = ["training_like", "random_dag", "layered"]
 
 _OPS_PER_LAYER = 10
 
@@ -95,5 +98,27 @@ def random_dag(num_ops: int, seed: int = 0, window: int = 50) -> CostGraph:
             f"op{i}", "Random" if not sources else "Compute",
             inputs=[(f"op{j}", 0) for j in sources],
             output_bytes=[int(rng.integers(1, 1 << 20))],
+            compute_us=float(rng.uniform(1, 500))))
+    return CostGraph.from_ops(specs)
+
+
+def layered(num_ops: int, seed: int = 0, width: int = 64,
+            output_bytes: tuple[int, int] = (1 << 18, 1 << 21)) -> CostGraph:
+    """``num_ops`` ops in layers of ``width``; an op of layer ``k > 0`` reads 1-3 distinct
+    outputs of layer ``k - 1``, chosen at random; output sizes are uniform in
+    ``output_bytes`` (low, high)."""
+    rng = np.random.default_rng(seed)
+    specs = []
+    for i in range(num_ops):
+        layer, column = divmod(i, width)
+        sources = []
+        if layer:
+            previous = range((layer - 1) * width, layer * width)
+            k = int(rng.integers(1, 4))
+            sources = sorted(rng.choice(previous, size=k, replace=False).tolist())
+        specs.append(OpSpec(
+            f"layer{layer}/n{column}", "Compute" if sources else "Input",
+            inputs=[(specs[j].name, 0) for j in sources],
+            output_bytes=[int(rng.integers(*output_bytes))],
             compute_us=float(rng.uniform(1, 500))))
     return CostGraph.from_ops(specs)

@@ -115,3 +115,59 @@ def test_placement_reports_and_trace(tmp_path):
     assert summary["lp_rows"] > 0 and summary["makespan_over_lower_bound"] >= 1.0
     p.schedule.write_chrome_trace(str(tmp_path / "trace.json"))
     assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+def test_default_placer_with_the_coplace_grouper_keeps_only_tf_groups():
+    # used to fail: "chosen group of op 'op52' is split across devices"
+    p = place(synthetic.random_dag(300, seed=0), BASE, method="m_etf", placer_type="default",
+              grouper="coplace")
+    assert len(p.op_devices()) == 300
+
+
+@pytest.mark.parametrize("limit", [2 ** 62, 2 ** 63 - 1, 2 ** 64 - 1])
+@pytest.mark.parametrize("method", ["m_topo", "m_etf", "m_sct"])
+def test_huge_limits_do_not_overflow(limit, method):
+    # used to fail: "the variables alone need ... bytes but the devices hold 0 in total"
+    graph = GRAPHS["training_like"]
+    p = place(graph, BASE.with_memory(limit), method=method)
+    assert len(p.op_devices()) == graph.num_ops and (p.peak_bytes <= p.devices.memory_bytes).all()
+    assert (p.devices.memory_bytes == min(limit, 2 ** 63 - 1)).all()
+
+
+@pytest.mark.parametrize("link_model", ["contention", "parallel"])
+def test_placers_plan_with_the_link_model_they_are_judged_by(link_model):
+    graph = GRAPHS["random_dag"]
+    p = place(graph, BASE, method="m_etf", link_model=link_model)
+    assert p.schedule.devices.link_model == link_model
+    again = p.simulate(link_model)
+    assert again.makespan_us == pytest.approx(p.makespan_us)
+
+
+def _tight_devices(graph, ratio, link_model="contention"):
+    seq = _sequential_peak(graph)
+    return BASE.with_link_model(link_model).with_memory(int(ratio * seq / 4))
+
+
+@pytest.mark.parametrize("method", ["m_etf", "m_sct"])
+def test_wide_layered_graph_places_at_1_1_of_the_sequential_peak_per_device(method):
+    graph = synthetic.layered(512, seed=1, width=256)
+    devs = _tight_devices(graph, 1.1)
+    p = place(graph, devs, method=method)
+    limit = int(devs.memory_bytes[0])
+    again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), devs,
+                     p.device_index, p.schedule.order)
+    assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
+
+
+def test_repair_step_keeps_the_order_and_balances_memory():
+    from graphfit.baechi.m_etf import m_etf
+    graph = synthetic.random_dag(600, seed=3, window=300)
+    units = UnitGraph.singletons(graph, np.arange(graph.num_ops))
+    devs = _tight_devices(graph, 1.5)
+    s = m_etf(units, devs, memory_first_only=True)
+    assert s.info["memory_first"] and s.order.tolist() == units.topological_order.tolist()
+    # replayed as TF runs it (one copy per tensor and device, received as early as possible)
+    again = simulate(units, devs, s.device, s.order)
+    assert again.peak_bytes.max() <= 1.15 * devs.memory_bytes[0]
+    assert again.peak_bytes.min() >= 0.5 * again.peak_bytes.max()  # no device left empty
+    assert again.makespan_us < 0.6 * graph.compute_us.sum()        # devices run side by side

@@ -94,3 +94,35 @@ def test_chrome_trace(tmp_path):
         ("a", 0, 0.0, 10.0), ("b", 1, 22.0, 5.0)]
     assert transfers[0]["args"]["bytes"] == 1000 and transfers[0]["dur"] == pytest.approx(12)
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"/GPU:0", "/GPU:1"}
+
+
+def _fan(link_model):
+    """a on device 0 sends 1000 B to b (device 1) and c (device 2); d on 3 reads b and c."""
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[1000], compute_us=1),
+                    OpSpec("c", "X", inputs=[("a", 0)], output_bytes=[1000], compute_us=1),
+                    OpSpec("d", "X", inputs=[("b", 0), ("c", 0)], compute_us=1)])
+    devs = DeviceSet.uniform([f"/GPU:{i}" for i in range(4)], "1GiB", "0.01,2",
+                             link_model=link_model)
+    return simulate(units, devs, [0, 1, 2, 3])
+
+
+def test_contention_serialises_sends_of_one_device_and_receives_of_another():
+    # each transfer takes 12 us; a ends at 1
+    s = _fan("contention")
+    # a -> b [1, 13], a -> c waits for a's send queue [13, 25]; b ends 14, c ends 26;
+    # b -> d [14, 26], c -> d waits for d's receive queue [26, 38]; d runs [38, 39]
+    assert sorted(s.transfer_start_us.tolist()) == [1, 13, 14, 26]
+    assert s.makespan_us == 39
+    p = _fan("parallel")
+    # every pair its own link: both sends at 1, both receives of d at 14
+    assert sorted(p.transfer_start_us.tolist()) == [1, 1, 14, 14] and p.makespan_us == 27
+
+
+def test_default_link_model_follows_the_devices():
+    assert _devices().link_model == "contention"
+    cpus = DeviceSet.uniform(["/device:CPU:0", "/device:CPU:1"], "1GiB", "0,1")
+    assert cpus.link_model == "parallel"
+    workers = DeviceSet.uniform([f"/job:worker/task:{i}/device:CPU:0" for i in range(2)],
+                                "1GiB", "0,1")
+    assert workers.link_model == "contention"

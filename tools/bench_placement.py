@@ -1,23 +1,34 @@
-"""Benchmark: how fast and how good are the Baechi placers?
+"""Benchmark: how fast and how good are the placers, under both link models and tight memory,
+and does the planned step time match a real run?
 
-For generated training-like graphs of 1k, 10k and 50k ops (plus a 10k random DAG) and for the
-models' graphs (``models.build(name, preset="default")``, static cost estimates), on 4 devices
-with Baechi's GPU link fit (0.0001754 µs/byte + 134 µs) and ample memory, it runs m-TOPO, m-ETF
-and m-SCT both unfused (``placer_type="default"``) and fused (``"fusion"`` with co-placement)
-and records: placement time (median over repeats; one run for 50k ops), units placed, LP size
-(rows / columns / non-zeros) and solve time, simulated makespan, and makespan / lower bound
-(lower bound = max(critical path, total compute / devices)). It then bisects, per graph and
-placer, the tightest per-device memory limit the placer meets (as a fraction of the step's
-sequential single-device peak) and checks the placement there respects it.
+Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``):
 
-Targets (issue #3): m-ETF <= 1 s and m-SCT <= 3 s on 10k ops; <= 10 s and <= 30 s on 50k ops;
-near-linear growth; m-SCT within 1.15x of the lower bound on training-like graphs.
-Writes ``bench/results/placement.json`` and ``bench/results/placement.png``; prints a table.
+- ``quality``: generated graphs (layered and random families, 500 to 20,000 ops, and the
+  training-like family) on 4 devices with Baechi's GPU link fit (0.0001754 µs/B + 134 µs) and
+  ample memory. Per graph, placer and link model the placer planned with: wall and CPU seconds,
+  makespan / lower bound in the planning model, and the same placement judged in the other link
+  model (lower bound = max(critical path, compute / devices)).
+- ``tight``: at a per-device limit of 1.1 x (sequential peak / 4) (sequential peak: the whole
+  step in op order on one device, liveness model), per graph, placer and link model: placed or
+  not, makespan / lower bound, the peak of an independent replay of the placement against the
+  limit; and m-TOPO's own tightest limit (bisected) with its makespan there. ``floor`` is the
+  largest single-op working set (inputs + output) / (sequential peak / 4): no placement can go
+  below it.
+- ``scale``: m-ETF and m-SCT on 100,000-op graphs, each in a fresh process, with wall and CPU
+  seconds and the process's peak RSS.
+- ``planned_vs_measured``: small models profiled on one device, placed with m-ETF on a local TF
+  gRPC cluster (2 workers) and on 4 virtual CPU devices under each link model, run, and the
+  planned makespan set beside the measured median step time.
+
+The machine is shared: wall times are noisy, CPU seconds less so; see ``index.json``.
 """
 
 from __future__ import annotations
 
-import statistics
+import json
+import multiprocessing
+import os
+import resource
 import sys
 import time
 
@@ -25,15 +36,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-from graphfit.baechi.devices import DeviceSet, default_device_names  # noqa: E402
 import numpy as np  # noqa: E402
 
-from graphfit.baechi.place import METHODS, PlacementError, place  # noqa: E402
+from graphfit.baechi.devices import LINK_MODELS, DeviceSet, default_device_names  # noqa: E402
+from graphfit.baechi.place import (METHODS, PlacementError, makespan_lower_bound_us,  # noqa: E402
+                                   place)
 from graphfit.baechi.schedule import simulate  # noqa: E402
 from graphfit.baechi.units import UnitGraph  # noqa: E402
 from graphfit.profiler.profile import atomic_write_json  # noqa: E402
-from graphfit.profiler.synthetic import random_dag, training_like  # noqa: E402
+from graphfit.profiler.synthetic import layered, random_dag, training_like  # noqa: E402
 
 __all__ = ["main"]
 
@@ -41,145 +52,284 @@ RESULT_PATH = "bench/results/placement.json"
 PLOT_PATH = "bench/results/placement.png"
 NUM_DEVICES = 4
 COMM_COEFFS = "0.0001754,134"
-SIZES = (1_000, 10_000, 50_000)
+TIGHT_RATIO = 1.1
+SIZES = (500, 2_000, 8_000, 20_000)
+TIGHT_SIZES = (500, 2_000, 8_000)
+SCALE_OPS = 100_000
 BISECTION_STEPS = 7
-TIGHT_CONFIGS = tuple((m, "default", "tf") for m in METHODS) + tuple(
-    (m, "fusion", "coplace") for m in METHODS)
-VARIANTS = (("default", "tf"), ("fusion", "coplace"))
+# The families: layered (256 ops a layer) and random (each op reads 1-3 of the 500 ops before
+# it) have live sets much larger than one op's working set; the random family with its
+# default window (50) is the exception kept to show the floor.
+FAMILIES = {
+    "layered": lambda n: layered(n, seed=0, width=256),
+    "random": lambda n: random_dag(n, seed=0, window=500),
+}
+EXTRA_GRAPHS = {
+    "random_window50_2k": lambda: random_dag(2_000, seed=0),
+    "training_like_1k": lambda: training_like(1_000, seed=0),
+    "training_like_10k": lambda: training_like(10_000, seed=0),
+}
+# m-SCT's LP (HiGHS) did not finish within 10 minutes on the layered 8,000-op graph on the
+# shared machine, so m-SCT runs on layered graphs up to this size only.
+SCT_MAX_LAYERED_OPS = 2_000
+# Planned vs measured: (model, preset) pairs small enough for a 2-core machine.
+RUN_MODELS = (("mlp", "tiny"), ("resnet", "tiny"))
+# Transfer fit of the local gRPC cluster (tools/communication_benchmark.py --transport=grpc);
+# bench/results/communication.json overrides it when that run was on gRPC.
+GRPC_COEFFS = "0.000762,403"
 
 
-def _devices() -> DeviceSet:
-    return DeviceSet.uniform(default_device_names(NUM_DEVICES), "64GiB", COMM_COEFFS)
+def _devices(memory="64GiB", link_model=None) -> DeviceSet:
+    return DeviceSet.uniform(default_device_names(NUM_DEVICES), memory, COMM_COEFFS,
+                             link_model=link_model)
 
 
-def _run(graph, label: str, repeats: int) -> list[dict]:
-    rows = []
-    for method in METHODS:
-        for placer_type, grouper in VARIANTS:
-            seconds, placement = [], None
-            for _ in range(repeats):
-                placement = place(graph, _devices(), method=method, placer_type=placer_type,
-                                  grouper=grouper)
-                seconds.append(placement.placement_s)
-            row = {"graph": label, **placement.summary(),
-                   "placement_s": statistics.median(seconds), "repeats": repeats}
-            rows.append(row)
-            print(f"{label:>22} {method:>6} {placer_type:>8} {row['num_units']:>7} "
-                  f"{row['placement_s']:8.2f} {row.get('lp_rows', ''):>8} "
-                  f"{row.get('lp_nnz', ''):>8} {row.get('lp_solve_s', 0.0):7.2f} "
-                  f"{row['makespan_us'] / 1e3:12.1f} {row['makespan_over_lower_bound']:6.3f}",
-                  flush=True)
-    return rows
+def _graphs(sizes):
+    for family, make in FAMILIES.items():
+        for n in sizes:
+            yield f"{family}_{n}", make(n)
 
 
-def _sequential_peak_bytes(graph) -> int:
+def sequential_peak_bytes(graph) -> int:
     """Peak bytes of the whole step run in op order on one device (liveness model)."""
     units = UnitGraph.singletons(graph, np.zeros(graph.num_ops, dtype=np.int64))
     return int(simulate(units, _devices(), np.zeros(graph.num_ops, dtype=np.int64))
                .peak_bytes[0])
 
 
-def _tightest(graph, label: str, configs) -> list[dict]:
-    """Bisect the smallest per-device limit each placer meets, as a fraction of the sequential
-    peak; record that the placement there respects memory and that just below it fails with a
-    PlacementError naming the missing bytes."""
-    seq = _sequential_peak_bytes(graph)
+def working_set_floor_bytes(graph) -> int:
+    """The largest inputs + outputs + temporary bytes of one op: a device running it holds
+    at least that."""
+    return max(int(graph.tensor_bytes[graph.op_inputs(i)].sum() + graph.output_bytes(i).sum()
+                   + graph.temp_bytes[i]) for i in range(graph.num_ops))
+
+
+def _timed_place(graph, devices, **options):
+    wall, cpu = time.perf_counter(), time.process_time()
+    p = place(graph, devices, **options)
+    return p, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _methods(label, graph) -> tuple[str, ...]:
+    if label.startswith("layered") and graph.num_ops > SCT_MAX_LAYERED_OPS:
+        return tuple(m for m in METHODS if m != "m_sct")
+    return METHODS
+
+
+def _quality(label, graph) -> list[dict]:
     rows = []
-    for method, placer_type, grouper in configs:
-        def attempt(limit):
-            return place(graph, _devices().with_memory(int(limit)), method=method,
-                         placer_type=placer_type, grouper=grouper)
-        lo, hi = 0, 2 * seq
-        below = ""
-        for _ in range(BISECTION_STEPS):
-            mid = (lo + hi) // 2
-            try:
-                attempt(mid)
-                hi = mid
-            except PlacementError as e:
-                lo, below = mid, str(e)
-        placed = attempt(hi)
-        row = {"graph": label, "method": method, "placer_type": placer_type,
-               "grouper": grouper, "sequential_peak_bytes": seq, "tightest_limit_bytes": hi,
-               "tightest_over_sequential": hi / seq,
-               "peak_bytes_at_tightest": placed.peak_bytes.tolist(),
-               "respects_limit": bool((placed.peak_bytes <= hi).all()),
-               "error_below": below[:300]}
-        rows.append(row)
-        print(f"{label:>22} {method:>6} {placer_type:>10} tightest {hi / seq:6.3f} x seq "
-              f"peak ({hi / 2**20:9.1f} MiB), respected: {row['respects_limit']}", flush=True)
+    lower = makespan_lower_bound_us(graph, NUM_DEVICES)
+    for method in _methods(label, graph):
+        for link_model in LINK_MODELS:
+            p, wall, cpu = _timed_place(graph, _devices(link_model=link_model), method=method)
+            other = next(m for m in LINK_MODELS if m != link_model)
+            row = {"graph": label, "num_ops": graph.num_ops, "method": method,
+                   "link_model": link_model, "wall_s": wall, "cpu_s": cpu,
+                   "makespan_us": p.makespan_us, "over_lower_bound": p.makespan_us / lower,
+                   f"judged_in_{other}_over_lower_bound": p.simulate(other).makespan_us / lower,
+                   "lp_solve_s": p.unit_schedule.info.get("lp_solve_s")}
+            rows.append(row)
+            print(f"{label:>20} {method:>6} {link_model:>10} {wall:7.2f} s (cpu {cpu:6.2f}) "
+                  f"{row['over_lower_bound']:6.3f} (in {other}: "
+                  f"{row[f'judged_in_{other}_over_lower_bound']:6.3f})", flush=True)
     return rows
 
 
-def _model_graphs():
-    """(name, cost graph) for every model, with static estimates; a model that fails to build
-    is reported and skipped."""
-    from graphfit import models
-    from graphfit.profiler.tf_import import cost_graph_from_graph
-    from graphfit.profiler.trace import step_fetches
-    for name in models.MODEL_NAMES:
+def _m_topo_tightest(graph, seq: int, link_model: str) -> tuple[float, float | None]:
+    lo, hi = 0.0, 4.0
+    best = None
+    for _ in range(BISECTION_STEPS):
+        mid = (lo + hi) / 2
         try:
-            item = models.build(name, preset="default")
-            yield name, cost_graph_from_graph(item.graph, step_fetches(item))
-        except Exception as e:  # a broken model must not hide the other results
-            print(f"model {name}: skipped ({type(e).__name__}: {e})", file=sys.stderr)
+            best = place(graph, _devices(int(mid * seq / NUM_DEVICES), link_model),
+                         method="m_topo").makespan_us
+            hi = mid
+        except PlacementError:
+            lo = mid
+    return hi, best
 
 
-def _plot(rows: list[dict]) -> None:
-    fig, (ax_time, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
-    synthetic = [r for r in rows if r["graph"].startswith("training_like")]
+def _tight(label, graph) -> list[dict]:
+    seq = sequential_peak_bytes(graph)
+    limit = int(TIGHT_RATIO * seq / NUM_DEVICES)
+    floor = working_set_floor_bytes(graph) / (seq / NUM_DEVICES)
+    lower = makespan_lower_bound_us(graph, NUM_DEVICES)
+    ops = UnitGraph.singletons(graph, np.arange(graph.num_ops))
+    rows = []
+    for link_model in LINK_MODELS:
+        topo_ratio, topo_makespan = _m_topo_tightest(graph, seq, link_model)
+        for method in _methods(label, graph):
+            devices = _devices(limit, link_model)
+            row = {"graph": label, "num_ops": graph.num_ops, "method": method,
+                   "link_model": link_model, "ratio": TIGHT_RATIO, "limit_bytes": limit,
+                   "sequential_peak_bytes": seq, "floor": floor,
+                   "m_topo_tightest_ratio": topo_ratio,
+                   "m_topo_makespan_at_tightest_us": topo_makespan}
+            try:
+                p, wall, cpu = _timed_place(graph, devices, method=method)
+                replay = simulate(ops, devices, p.device_index, p.schedule.order)
+                row.update(placed=True, wall_s=wall, cpu_s=cpu, makespan_us=p.makespan_us,
+                           over_lower_bound=p.makespan_us / lower,
+                           replay_peak_over_limit=float(replay.peak_bytes.max() / limit),
+                           repair_step=bool(p.unit_schedule.info.get("memory_first")),
+                           attempts=p.unit_schedule.info.get("placement_attempts"))
+            except PlacementError as e:
+                row.update(placed=False, error=str(e)[:300])
+            rows.append(row)
+            what = (f"makespan/LB {row['over_lower_bound']:6.3f} replay peak/limit "
+                    f"{row['replay_peak_over_limit']:.3f} repair {row['repair_step']}"
+                    if row["placed"] else "not placed")
+            print(f"{label:>20} {link_model:>10} {method:>6} @{TIGHT_RATIO} (floor {floor:.2f},"
+                  f" m_topo tightest {topo_ratio:.2f}): {what}", flush=True)
+    return rows
+
+
+def _scale_child(family: str, method: str, link_model: str, queue) -> None:
+    graph = (FAMILIES[family] if family in FAMILIES else training_like)(SCALE_OPS)
+    p, wall, cpu = _timed_place(graph, _devices(link_model=link_model), method=method)
+    queue.put({"graph": f"{family}_{SCALE_OPS}", "num_ops": graph.num_ops, "method": method,
+               "link_model": link_model, "wall_s": wall, "cpu_s": cpu,
+               "over_lower_bound": p.makespan_us / makespan_lower_bound_us(graph, NUM_DEVICES),
+               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def _scale() -> list[dict]:
+    """Each placement in a fresh process, so its peak RSS is its own."""
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for family, methods in (("training_like", ("m_etf", "m_sct")), ("layered", ("m_etf",))):
+        for method in methods:
+            for link_model in LINK_MODELS:
+                queue = context.Queue()
+                child = context.Process(target=_scale_child,
+                                        args=(family, method, link_model, queue))
+                child.start()
+                row = queue.get()
+                child.join()
+                rows.append(row)
+                print(f"{row['graph']:>20} {method:>6} {link_model:>10} {row['wall_s']:7.2f} s "
+                      f"(cpu {row['cpu_s']:6.2f}) {row['over_lower_bound']:6.3f} x LB, peak RSS "
+                      f"{row['peak_rss_mib']:.0f} MiB", flush=True)
+    return rows
+
+
+def _planned_vs_measured() -> list[dict]:
+    """Profile each small model on one device, place it on a gRPC cluster and on virtual CPU
+    devices under each link model, run it, and compare planned makespan and step time."""
+    from graphfit import models
+    from graphfit.baechi.place_and_run import place_item
+    from graphfit.baechi.run import LocalCluster, local_target, measure_placed_run
+    from graphfit.profiler.trace import profile_graph
+
+    grpc_coeffs = GRPC_COEFFS
+    if os.path.exists("bench/results/communication.json"):
+        with open("bench/results/communication.json") as f:
+            measured = json.load(f)
+        if measured.get("transport") == "grpc":
+            link = measured["default"]
+            grpc_coeffs = f"{link['a_us_per_byte']},{link['b_us']}"
+    rows = []
+    for name, preset in RUN_MODELS:
+        item = models.build(name, preset=preset)
+        profile = profile_graph(item, steps=6, warmup=2, trace_every=2, progress=None)
+        single = float(np.median(profile.step_time_us))
+        with LocalCluster(2, startup_timeout_s=600) as cluster:  # TF imports slowly when loaded
+            targets = [(cluster.run_target, grpc_coeffs), (local_target(NUM_DEVICES), "0,0")]
+            for target, coeffs in targets:
+                for link_model in LINK_MODELS:
+                    devices = DeviceSet.uniform(list(target.devices), "64GiB", coeffs,
+                                                link_model=link_model)
+                    placed, placement = place_item(item, devices, profile, method="m_etf")
+                    run = measure_placed_run(placed, target, steps=6, warmup=2, trace_every=3)
+                    row = {"model": name, "preset": preset, "target": target.kind,
+                           "link_model": link_model, "comm_cost_coeffs": coeffs,
+                           "planned_ms": placement.makespan_us / 1e3,
+                           "measured_ms": run.step_time_ms_median,
+                           "single_device_measured_ms": single / 1e3,
+                           "sum_of_op_times_ms": float(placement.graph.compute_us.sum()) / 1e3,
+                           "transfers": len(placement.schedule.transfer_tensor),
+                           "ops_per_device": placement.summary()["ops_per_device"]}
+                    row["measured_over_planned"] = row["measured_ms"] / row["planned_ms"]
+                    rows.append(row)
+                    print(f"{name:>8} {target.kind:>11} {link_model:>10}: planned "
+                          f"{row['planned_ms']:8.2f} ms, measured {row['measured_ms']:8.2f} ms "
+                          f"({row['measured_over_planned']:.2f}x); one device "
+                          f"{row['single_device_measured_ms']:.2f} ms, ops sum "
+                          f"{row['sum_of_op_times_ms']:.2f} ms, {row['transfers']} transfers",
+                          flush=True)
+    return rows
+
+
+def _plot(result: dict) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    quality = [r for r in result["quality"] if r["graph"].split("_")[0] in FAMILIES]
     for method in METHODS:
-        for placer_type, _ in VARIANTS:
-            pts = sorted((r["num_ops"], r["placement_s"]) for r in synthetic
-                         if r["method"] == method and r["placer_type"] == placer_type)
+        for link_model, style in zip(LINK_MODELS, ("-", "--")):
+            pts = sorted((r["num_ops"], r["wall_s"]) for r in quality
+                         if r["method"] == method and r["link_model"] == link_model
+                         and r["graph"].startswith("layered"))
             if pts:
-                ax_time.plot(*zip(*pts), marker="o", label=f"{method} {placer_type}")
-    ax_time.set(xscale="log", yscale="log", xlabel="ops", ylabel="placement time (s)",
-                title="training-like graphs, 4 devices")
-    ax_time.legend(fontsize=8)
-    labels = sorted({r["graph"] for r in rows}, key=lambda g: [r["graph"] for r in rows].index(g))
-    width = 0.8 / len(METHODS)
-    for k, method in enumerate(METHODS):
-        values = [next((r["makespan_over_lower_bound"] for r in rows if r["graph"] == g
-                        and r["method"] == method and r["placer_type"] == "fusion"), 0)
-                  for g in labels]
-        ax_ratio.bar([i + k * width for i in range(len(labels))], values, width, label=method)
-    ax_ratio.axhline(1.15, color="grey", linestyle="--", linewidth=1)
-    ax_ratio.set_xticks([i + width for i in range(len(labels))])
-    ax_ratio.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax_ratio.set(ylabel="makespan / lower bound (fusion)", title="simulated step quality")
-    ax_ratio.legend(fontsize=8)
+                axes[0].plot(*zip(*pts), style, marker="o", label=f"{method} {link_model}")
+    axes[0].set(xscale="log", yscale="log", xlabel="ops", ylabel="placement wall time (s)",
+                title="layered graphs, 4 devices")
+    axes[0].legend(fontsize=7)
+    labels = sorted({r["graph"] for r in result["quality"]},
+                    key=[r["graph"] for r in result["quality"]].index)
+    width = 0.8 / (len(METHODS) * len(LINK_MODELS))
+    k = 0
+    for method in METHODS:
+        for link_model in LINK_MODELS:
+            values = [next((r["over_lower_bound"] for r in result["quality"]
+                            if r["graph"] == g and r["method"] == method
+                            and r["link_model"] == link_model), 0) for g in labels]
+            axes[1].bar([i + k * width for i in range(len(labels))], values, width,
+                        label=f"{method} {link_model}")
+            k += 1
+    axes[1].set_xticks([i + 0.4 for i in range(len(labels))])
+    axes[1].set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    axes[1].set(ylabel="makespan / lower bound", ylim=(0.9, None),
+                title="planned in its own link model")
+    axes[1].legend(fontsize=6)
+    runs = result.get("planned_vs_measured", [])
+    names = [f"{r['model']} {r['target']} {r['link_model']}" for r in runs]
+    axes[2].barh(names, [r["planned_ms"] for r in runs], height=0.4, label="planned")
+    axes[2].barh([i + 0.4 for i in range(len(runs))], [r["measured_ms"] for r in runs],
+                 height=0.4, label="measured")
+    axes[2].set(xlabel="step (ms)", title="planned vs measured (m-ETF)")
+    axes[2].tick_params(axis="y", labelsize=7)
+    axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(PLOT_PATH, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark, print the table, write the JSON and the plot."""
+    """Run the sections named in ``argv`` (default: all), print tables, write JSON and plot."""
+    sections = list(argv or ["quality", "tight", "scale", "planned_vs_measured"])
     began = time.perf_counter()
-    print(f"{'graph':>22} {'method':>6} {'type':>8} {'units':>7} {'place_s':>8} "
-          f"{'lp_rows':>8} {'lp_nnz':>8} {'lp_s':>7} {'makespan_ms':>12} {'/LB':>6}")
-    rows = []
-    for size in SIZES:
-        rows += _run(training_like(size, seed=0), f"training_like_{size // 1000}k",
-                     repeats=3 if size <= 10_000 else 1)
-    rows += _run(random_dag(10_000, seed=0), "random_dag_10k", repeats=1)
-    model_graphs = list(_model_graphs())
-    for name, graph in model_graphs:
-        rows += _run(graph, name, repeats=1)
-    tight = []
-    for label, graph in [("training_like_1k", training_like(1_000, seed=0)),
-                         ("random_dag_1k", random_dag(1_000, seed=0))] + model_graphs:
-        tight += _tightest(graph, label, TIGHT_CONFIGS)
-    for label, graph in [("training_like_10k", training_like(10_000, seed=0)),
-                         ("random_dag_10k", random_dag(10_000, seed=0))]:
-        tight += _tightest(graph, label, [("m_etf", "default", "tf")])
-    atomic_write_json(RESULT_PATH, {"num_devices": NUM_DEVICES, "comm_cost_coeffs": COMM_COEFFS,
-                                    "results": rows, "tightest_limits": tight,
-                                    "bench_s": time.perf_counter() - began})
-    _plot(rows)
+    result = {section: [] for section in sections}
+    if "quality" in sections:
+        for label, graph in list(_graphs(SIZES)) + [(k, f()) for k, f in EXTRA_GRAPHS.items()]:
+            result["quality"] += _quality(label, graph)
+    if "tight" in sections:
+        for label, graph in list(_graphs(TIGHT_SIZES)) + [
+                ("random_window50_2k", EXTRA_GRAPHS["random_window50_2k"]())]:
+            result["tight"] += _tight(label, graph)
+    if "scale" in sections:
+        result["scale"] = _scale()
+    if "planned_vs_measured" in sections:
+        result["planned_vs_measured"] = _planned_vs_measured()
+    merged = {"quality": [], "tight": [], "scale": [], "planned_vs_measured": []}
+    if os.path.exists(RESULT_PATH):  # a partial run keeps the other sections' results
+        with open(RESULT_PATH) as f:
+            merged.update({k: v for k, v in json.load(f).items() if k in merged})
+    merged.update(result, num_devices=NUM_DEVICES, comm_cost_coeffs=COMM_COEFFS,
+                  tight_ratio=TIGHT_RATIO)
+    merged.update(section_s={"+".join(sections): time.perf_counter() - began})
+    atomic_write_json(RESULT_PATH, merged)
+    _plot(merged)
     print(f"wrote {RESULT_PATH} and {PLOT_PATH} in {time.perf_counter() - began:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -18,6 +18,14 @@ session's own overhead cancels out. The fit minimises the *relative* error (rows
 1 / measured time, non-negative least squares), so the many small transfers, which are
 latency-bound, weigh as much as the few large bandwidth-bound ones.
 
+Contention: with a third device, the same ``--contention_bytes`` tensor is sent from the source
+to one destination, and then to two destinations at once (two chains in one run); each is
+timed against the local baseline as above. If two concurrent transfers out of one device take
+at least ``CONTENTION_RATIO`` times as long as one, they share the sender's channel and the
+JSON's ``"link_model"`` is ``"contention"`` (Baechi's model: one send and one receive queue per
+device), else ``"parallel"`` (``baechi.devices``). With two devices only (``--transport=gpu``
+on two GPUs) nothing is measured and the JSON says so.
+
 Output: ``--comm_cost_coeffs=a,b`` on stdout, and the per-link JSON that
 ``baechi.devices.DeviceSet.from_json`` reads (``default`` and directional ``links``, plus the
 raw measurements), written atomically to ``--output``, with a log-log plot next to it.
@@ -36,7 +44,8 @@ import numpy as np
 import scipy.optimize
 from absl import app, flags
 
-__all__ = ["fit_relative", "main", "measure_transfers", "transfer_graph"]
+__all__ = ["CONTENTION_RATIO", "contention_graph", "fit_relative", "main",
+           "measure_contention", "measure_transfers", "transfer_graph"]
 
 _OUTPUT = flags.DEFINE_string("output", "bench/results/communication.json",
                               "Where to write the per-link communication costs (JSON); a "
@@ -51,7 +60,62 @@ _TRANSPORT = flags.DEFINE_enum("transport", None, ["grpc", "gpu", "virtual"],
                                "Devices to measure between; default: gpu with two GPUs, "
                                "else grpc.")
 
+_CONTENTION_POWER = flags.DEFINE_integer(
+    "contention_power", 20, "Concurrent-transfer test: tensors of 2^contention_power float32 "
+    "elements.", lower_bound=10, upper_bound=28)
+
 ELEMENT_BYTES = 4  # float32
+# Two transfers from one device at once costing this many times one transfer: they contend.
+CONTENTION_RATIO = 1.5
+
+
+def contention_graph(src: str, dsts: list[str], power: int, hops: int):
+    """One tensor of ``2^power`` floats on ``src`` sent ``hops`` times to each device of
+    ``dsts`` at once (a chain ``src`` -> dst -> ``src`` ... per destination), plus the chain kept
+    on ``src``. Returns (graph, init op, baseline fetch, one-destination fetch, all-destinations
+    fetch)."""
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(src):
+            value = tf.Variable(tf.zeros([2 ** power]), name="data").read_value()
+        ends, local = [], value
+        for k, dst in enumerate(dsts):
+            chain = value
+            for hop in range(hops):
+                with tf.device(dst if hop % 2 == 0 else src):
+                    chain = tf.identity(chain, name=f"to_{k}_{hop}")
+            with tf.device(src):
+                ends.append(tf.identity(chain, name=f"back_{k}")[0])
+        with tf.device(src):
+            for hop in range(hops):
+                local = tf.identity(local, name=f"local_{hop}")
+            baseline = local[0]
+        init = tf.compat.v1.global_variables_initializer()
+        both = tf.group(*[e.op for e in ends])
+    return graph, init, baseline, ends[0], both
+
+
+def measure_contention(session, baseline, one, both, repeats: int, hops: int) -> dict:
+    """Median per-hop time of one destination's chain and of all chains at once (each minus
+    the local baseline), their ratio, and the link model that ratio indicates."""
+    for _ in range(3):
+        session.run([baseline, one, both])
+    single, concurrent = [], []
+    for _ in range(repeats):
+        times = []
+        for fetch in (baseline, one, both):
+            begin = time.perf_counter()
+            session.run(fetch)
+            times.append((time.perf_counter() - begin) * 1e6)
+        single.append((times[1] - times[0]) / hops)
+        concurrent.append((times[2] - times[0]) / hops)
+    single_us, concurrent_us = statistics.median(single), statistics.median(concurrent)
+    ratio = concurrent_us / single_us if single_us > 0 else float("nan")
+    return {"single_us": single_us, "two_concurrent_us": concurrent_us, "ratio": ratio,
+            "threshold": CONTENTION_RATIO,
+            "link_model": "contention" if ratio >= CONTENTION_RATIO else "parallel"}
 
 
 def transfer_graph(src: str, dst: str, powers: list[int], hops: int):
@@ -180,29 +244,44 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--transport=gpu needs two GPUs; TF sees {num_gpus}. "
                              "Use --transport=grpc or --transport=virtual.")
     began = time.perf_counter()
-    cluster = LocalCluster(2) if transport == "grpc" else nullcontext()
+    cluster = LocalCluster(3, startup_timeout_s=300) if transport == "grpc" else nullcontext()
     with cluster:
         if transport == "grpc":
             target = cluster.run_target
-            print_progress(f"started 2 gRPC workers at {', '.join(cluster.addresses)}")
+            print_progress(f"started 3 gRPC workers at {', '.join(cluster.addresses)}")
         elif transport == "gpu":
-            target = RunTarget(("/GPU:0", "/GPU:1"), "gpu")
+            target = RunTarget(tuple(f"/GPU:{k}" for k in range(min(num_gpus, 3))), "gpu")
         else:
-            target = RunTarget(("/device:CPU:0", "/device:CPU:1"), "virtual_cpu",
-                               num_cpu_devices=2)
-        src, dst = target.devices
+            target = RunTarget(tuple(f"/device:CPU:{k}" for k in range(3)), "virtual_cpu",
+                               num_cpu_devices=3)
+        src, dst = target.devices[:2]
         powers = list(range(_MAX_POWER.value + 1))
         graph, init, fetches = transfer_graph(src, dst, powers, _HOPS.value)
         with target.session(graph) as session:
             session.run(init)
             records = measure_transfers(session, fetches, _REPEATS.value, _HOPS.value,
                                         print_progress)
+        contention = {"measured": False, "reason": "needs a third device"}
+        if len(target.devices) >= 3:
+            graph, init, baseline, one, both = contention_graph(
+                src, list(target.devices[1:3]), _CONTENTION_POWER.value, _HOPS.value)
+            with target.session(graph) as session:
+                session.run(init)
+                contention = {"measured": True, "bytes": ELEMENT_BYTES * 2 **
+                              _CONTENTION_POWER.value,
+                              **measure_contention(session, baseline, one, both,
+                                                   _REPEATS.value, _HOPS.value)}
+            print_progress(f"one transfer {contention['single_us']:.1f} us, two at once "
+                           f"{contention['two_concurrent_us']:.1f} us per hop (x"
+                           f"{contention['ratio']:.2f}): {contention['link_model']} links")
     a, b = fit_relative(np.array([r["bytes"] for r in records]),
                         np.array([r["transfer_us"] for r in records]))
     link = LinkCost(a, b).to_json()
     zero_copy = transport == "virtual"
     result = {
         "default": link,
+        **({"link_model": contention["link_model"]} if contention["measured"] else {}),
+        "contention": contention,
         "links": [{"src": src, "dst": dst, **link}, {"src": dst, "dst": src, **link}],
         "transport": transport, "zero_copy": zero_copy,
         "fit": "non-negative least squares on relative error (rows weighted 1/measured)",

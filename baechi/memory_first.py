@@ -1,0 +1,93 @@
+"""The repair step of m-ETF and m-SCT under tight memory: list scheduling in sequential order.
+
+Earliest-task-first lets the ready set run far ahead of the topological order: on a wide graph
+it starts many branches at once, every branch's outputs wait for consumers that have not run,
+copies of them pile up on the devices that read them, and at a limit near (sequential peak /
+devices) the schedule deadlocks, with every device full and nothing releasable. When that
+happens m-ETF and m-SCT fall back to this scheduler, which keeps the order that defines the
+sequential peak (the units' topological order) and only chooses devices:
+
+- units are committed in topological order, each on a device where it fits now; so the bytes
+  alive across all devices are those alive in the sequential step, plus copies, plus what the
+  devices running side by side have in flight;
+- among the devices where it fits, a unit goes where it starts earliest (its favourite
+  parent's device first, under m-SCT), unless that would push the device into its last
+  ``RESERVE_FRACTION`` of memory while another device stays below it; then the device with the
+  most room left wins. This keeps the resident bytes balanced, so no device fills up while
+  another has room (the failure of filling devices one after another, as m-TOPO does);
+- a unit that fits nowhere waits for the next release; if none is pending the instance is
+  reported with its shortfall.
+
+Every unit waits for the previous one to start (a monotone clock), so the schedule is as
+parallel as the order allows; this is the price of the memory guarantee, and why it is only a
+fallback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphfit.baechi.devices import DeviceSet
+from graphfit.baechi.schedule import PlacementError, Schedule, ScheduleBuilder
+from graphfit.baechi.units import UnitGraph
+
+__all__ = ["RESERVE_FRACTION", "memory_first"]
+
+RESERVE_FRACTION = 0.1
+
+
+def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
+                 favourite_parent: np.ndarray | None = None, method: str = "m_etf") -> Schedule:
+    """Place units in topological order on the device where each fits and starts earliest,
+    keeping every device's resident bytes balanced (module docstring).
+
+    Parameters:
+        units: the unit graph.
+        devices: devices, memory limits, link costs and link model.
+        memory_model: ``"liveness"`` (default) or ``"static"``.
+        favourite_parent: per unit, the parent whose device it prefers (-1: none).
+        method: name used in error messages.
+
+    Returns:
+        The ``Schedule``; ``info["memory_first"]`` is True.
+
+    Raises:
+        PlacementError: a unit fits on no device and no memory will be released (the message
+            names the unit, the device and the missing bytes).
+    """
+    builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True)
+    limit = builder.limit
+    reserve = [RESERVE_FRACTION * m for m in limit]
+    group = units.group.tolist()
+    fav = favourite_parent.tolist() if favourite_parent is not None else None
+    all_devices = list(range(len(devices)))
+    for u in units.topological_order.tolist():
+        pinned = builder.group_device[group[u]]
+        choices = [pinned] if pinned != -1 else all_devices
+        while True:
+            fits = [(builder.shortfall_bytes(u, d), d) for d in choices]
+            fits = [(short, d) for short, d in fits if short <= 0]
+            if fits:
+                break
+            next_free = builder.next_free_us()
+            if next_free is None:
+                short, d = min((builder.shortfall_bytes(u, d), d) for d in choices)
+                raise PlacementError(
+                    f"{method}: unit {units.unit_name(u)!r} misses {short} bytes on "
+                    f"{devices.names[d]} (limit {limit[d]} bytes, {builder.level[d]} in use; "
+                    f"in use on every device: {builder.level}) even in sequential order. "
+                    "Raise the device memory by at least "
+                    f"{short} bytes or rematerialize.")
+            builder.advance(next_free)
+        once = [(short, d) for short, d in fits if not builder.refetches(u, d)]
+        fits = once or fits
+        roomy = [d for short, d in fits if -short >= reserve[d]]
+        if roomy:
+            favourite = builder.device[fav[u]] if fav is not None and fav[u] != -1 else -1
+            d = favourite if favourite in roomy else min(
+                roomy, key=lambda d: (max(builder.device_free[d], builder.data_ready_us(u, d)),
+                                      builder.level[d]))
+        else:
+            d = min(fits)[1]  # the most room left after it
+        builder.commit(u, d)
+    return builder.finish_schedule({"memory_first": True})
