@@ -60,7 +60,7 @@ def fuse(graph: CostGraph, groups: np.ndarray, search_limit: int = 512) -> UnitG
             is the postcondition check of ``UnitGraph``.
 
     Examples:
-        >>> from profiler.cost_graph import CostGraph, OpSpec
+        >>> from graphfit.profiler.cost_graph import CostGraph, OpSpec
         >>> g = CostGraph.from_ops([
         ...     OpSpec("a", "X", output_bytes=[4], compute_us=1),
         ...     OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[4], compute_us=1),

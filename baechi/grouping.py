@@ -62,7 +62,7 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
         int64 array of dense group ids, one per op.
 
     Examples:
-        >>> from profiler.cost_graph import CostGraph, OpSpec
+        >>> from graphfit.profiler.cost_graph import CostGraph, OpSpec
         >>> g = CostGraph.from_ops([
         ...     OpSpec("w", "VarHandleOp", output_bytes=[8], is_variable=True),
         ...     OpSpec("read", "ReadVariableOp", inputs=[("w", 0)], output_bytes=[64],
@@ -100,7 +100,7 @@ def coplacement_groups(graph: CostGraph, groups: np.ndarray | None = None) -> np
         int64 array of dense group ids, one per op.
 
     Examples:
-        >>> from profiler.cost_graph import CostGraph, OpSpec
+        >>> from graphfit.profiler.cost_graph import CostGraph, OpSpec
         >>> g = CostGraph.from_ops([
         ...     OpSpec("a", "X", output_bytes=[4]), OpSpec("b", "X", inputs=[("a", 0)],
         ...     output_bytes=[4]), OpSpec("c", "X", inputs=[("b", 0)]),

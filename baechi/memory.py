@@ -58,10 +58,10 @@ def device_peak_bytes(schedule: "Schedule") -> np.ndarray:
         int64 array, one peak per device.
 
     Examples:
-        >>> from profiler.cost_graph import CostGraph, OpSpec
-        >>> from baechi.devices import DeviceSet
-        >>> from baechi.schedule import simulate
-        >>> from baechi.units import UnitGraph
+        >>> from graphfit.profiler.cost_graph import CostGraph, OpSpec
+        >>> from graphfit.baechi.devices import DeviceSet
+        >>> from graphfit.baechi.schedule import simulate
+        >>> from graphfit.baechi.units import UnitGraph
         >>> g = CostGraph.from_ops([OpSpec("a", "X", output_bytes=[100], compute_us=1),
         ...                         OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[10]),
         ...                         OpSpec("c", "X", inputs=[("b", 0)], output_bytes=[1])])

@@ -409,8 +409,8 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
             index is out of range.
 
     Examples:
-        >>> from profiler.cost_graph import CostGraph, OpSpec
-        >>> from baechi.devices import DeviceSet
+        >>> from graphfit.profiler.cost_graph import CostGraph, OpSpec
+        >>> from graphfit.baechi.devices import DeviceSet
         >>> g = CostGraph.from_ops([OpSpec("a", "X", output_bytes=[1000], compute_us=10),
         ...                         OpSpec("b", "Y", inputs=[("a", 0)], compute_us=5)])
         >>> devs = DeviceSet.uniform(["/GPU:0", "/GPU:1"], "1MiB", "0.01,2")

@@ -474,7 +474,7 @@ def simulate(graph: CostGraph, budget_bytes: float | None, heuristic: str = "dtr
         InvalidOrderError: for a bad ``order``; ValueError for an unknown heuristic.
 
     Examples:
-        >>> from profiler.synthetic import training_like
+        >>> from graphfit.profiler.synthetic import training_like
         >>> g = training_like(60, seed=1)
         >>> full = simulate(g, None)
         >>> (full.overhead, full.num_recomputes, full.peak_bytes == baseline_peak_bytes(g))
