@@ -23,7 +23,7 @@ such loop into straight-line ops:
 - **TensorLists become tensors.** A list entering the loop is tracked symbolically (its base
   tensor plus the pushes and constant-index sets done to it), through later loops too: a pop
   or get returns the pushed/set tensor directly, a get from ``TensorListFromTensor(x)`` becomes
-  a ``StridedSlice`` of ``x``, and ``TensorListStack`` of a list whose every element is known
+  a ``GatherV2`` of ``x``, and ``TensorListStack`` of a list whose every element is known
   becomes a ``Pack``. A list read any other way is built for real from its base
   (``TensorListPushBack``/``TensorListSetItem`` chains), so the result is always correct.
 - **Names of the loop.** Consumers of ``W:k`` read the final value of loop variable ``k``;
@@ -470,7 +470,7 @@ class _Unroller:
                          static: Callable[[str], np.ndarray | None], new_name: str
                          ) -> list[_Value] | None:
         """The outputs of a TensorList op on a tracked list without running it (reads and
-        ``Pack``/``StridedSlice`` replacements named ``new_name``); None: it must run."""
+        ``Pack``/``GatherV2`` replacements named ``new_name``); None: it must run."""
         if not values or not isinstance(values[0], _ListValue):
             return None
         lst: _ListValue = values[0]
@@ -501,21 +501,21 @@ class _Unroller:
 
     def _slice_of_source(self, lst: _ListValue, index: int, new_name: str
                          ) -> list[_Value] | None:
-        """Element ``index`` of ``TensorListFromTensor(x)`` (nothing pushed since) as a
-        ``StridedSlice`` ``x[index]``: no list holds a copy of every element."""
+        """Element ``index`` of ``TensorListFromTensor(x)`` (nothing pushed since) as
+        ``GatherV2(x, index)``: a buffer of its own, which the planner can free and recompute
+        (a ``StridedSlice`` view would keep, and be profiled as, all of ``x``)."""
         source = self._list_source(lst, "TensorListFromTensor")
         if source is None or any(entry[0] == "push" for entry in lst.log):
             return None
-        bounds = [self._add(_const_node(f"{new_name}/{part}", np.array([v], np.int32)),
-                            emitted=True)
-                  for part, v in (("begin", index), ("end", index + 1), ("strides", 1))]
-        node = node_def_pb2.NodeDef(name=new_name, op="StridedSlice",
-                                    input=[source.input[0], *bounds])
-        node.attr["T"].type = lst.element_dtype
-        node.attr["Index"].type = tf.int32.as_datatype_enum
-        for mask in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask"):
-            node.attr[mask].i = 0
-        node.attr["shrink_axis_mask"].i = 1
+        position, axis = (self._add(_const_node(f"{new_name}/{part}", np.array(v, np.int32)),
+                                    emitted=True)
+                          for part, v in (("index", index), ("axis", 0)))
+        node = node_def_pb2.NodeDef(name=new_name, op="GatherV2",
+                                    input=[source.input[0], position, axis])
+        node.attr["Tparams"].type = lst.element_dtype
+        node.attr["Tindices"].type = tf.int32.as_datatype_enum
+        node.attr["Taxis"].type = tf.int32.as_datatype_enum
+        node.attr["batch_dims"].i = 0
         return [self._add(node, emitted=True)]
 
     def _stacked(self, lst: _ListValue, node: node_def_pb2.NodeDef, new_name: str
