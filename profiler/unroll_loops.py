@@ -120,13 +120,13 @@ def _topological(nodes: list[node_def_pb2.NodeDef]) -> list[node_def_pb2.NodeDef
 class _StaticValues:
     """Values of small integer and boolean tensors computable when the step is traced
     (constant folding over ``_BINARY``, ``_REDUCTIONS`` and a few more ops). Tensors are named
-    ``"node:port"``; ``blocker`` names the node that stopped the first failed lookup."""
+    ``"node:port"``; ``unknown_path`` explains a failed lookup."""
 
     def __init__(self, nodes: Mapping[str, node_def_pb2.NodeDef],
                  known: Mapping[str, np.ndarray | None]):
         self._nodes = nodes
         self._known = dict(known)
-        self.blocker = ""
+        self._unknown_input: dict[str, str] = {}     # node -> its first input not known
 
     def know(self, tensor: str, value: np.ndarray | None) -> None:
         self._known[_full(tensor)] = value
@@ -135,8 +135,6 @@ class _StaticValues:
         key = _full(tensor)
         if key not in self._known:
             self._known[key] = self._fold(*_split(key))
-        if self._known[key] is None and not self.blocker:
-            self.blocker = _split(key)[0]
         return self._known[key]
 
     def _fold(self, name: str, port: int) -> np.ndarray | None:
@@ -148,15 +146,21 @@ class _StaticValues:
             return value if _foldable(value) else None
         inputs = [self.value(i) for i in _data_inputs(node)]
         if any(x is None for x in inputs):
+            self._unknown_input[name] = next(_split(i)[0] for i, x in
+                                             zip(_data_inputs(node), inputs) if x is None)
             return None
         try:
             value = self._apply(node, inputs)
         except (ValueError, TypeError, IndexError):
             value = None
-        if value is None or not _foldable(value):
-            self.blocker = self.blocker or name
-            return None
-        return value
+        return value if value is not None and _foldable(value) else None
+
+    def unknown_path(self, tensor: str) -> list[str]:
+        """The nodes from ``tensor``'s producer down to the first one that is not known."""
+        path = [_split(tensor)[0]]
+        while path[-1] in self._unknown_input and len(path) <= len(self._nodes):
+            path.append(self._unknown_input[path[-1]])
+        return path
 
     @staticmethod
     def _apply(node: node_def_pb2.NodeDef, x: list[np.ndarray]) -> np.ndarray | None:
@@ -360,7 +364,7 @@ class _Unroller:
                 (f"{a}:0" for a in loop.cond_args), static)))
             go = cond.value(loop.cond_result)
             if go is None:
-                raise LoopUnrollError(self._unknown_trip_count(loop, cond.blocker, initial))
+                raise LoopUnrollError(self._unknown_trip_count(loop, cond, initial))
             if not bool(go):
                 return iterations, static
             if len(iterations) == MAX_ITERATIONS:
@@ -372,21 +376,26 @@ class _Unroller:
             iterations.append(body)
             static = [body.value(r) for r in loop.body_results]
 
-    def _unknown_trip_count(self, loop: _Loop, blocker: str, initial: list[_Value]) -> str:
-        if blocker in loop.cond_args:
-            start = initial[loop.cond_args.index(blocker)]
-            cause = f"a loop variable that starts as {start}"
+    def _unknown_trip_count(self, loop: _Loop, cond: _StaticValues,
+                            initial: list[_Value]) -> str:
+        path = cond.unknown_path(loop.cond_result)
+        shown = [f"{n} ({loop.cond_nodes[n].op})" for n in path if n in loop.cond_nodes
+                 and loop.cond_nodes[n].op not in ("Identity", "Placeholder")]
+        cause = " <- ".join(shown) or "its result"
+        if path[-1] in loop.cond_args:
+            start = initial[loop.cond_args.index(path[-1])]
             origin = _StaticValues(self._nodes, {})
             if isinstance(start, str) and origin.value(start) is None:
-                cause += (f", computed from {origin.blocker} "
-                          f"({self._nodes[origin.blocker].op}) at run time")
-        else:
-            cause = f"{blocker} ({loop.cond_nodes[blocker].op})"
+                first = origin.unknown_path(start)[-1]
+                start = f"{start} ({self._nodes[first].op})" if first == _split(start)[0] \
+                    else f"{start}, computed from {first} ({self._nodes[first].op})"
+            cause += f" <- a loop variable that starts as {start}"
         return (f"cannot unroll the loop {loop.node.name} ({loop.node.op}): its trip count is "
-                f"not known when the step is traced (the condition depends on {cause}). Give "
-                "the loop a fixed length: for a Keras RNN layer, a fixed sequence length "
-                "(keras.Input with a static time dimension) or unroll=True; for "
-                "tf.while_loop, a bound from Python numbers or static shapes")
+                f"not known when the step is traced (the condition depends on {cause}, "
+                "known only when the step runs). Give the loop a fixed length: for a Keras "
+                "RNN layer, a fixed sequence length (keras.Input with a static time "
+                "dimension) or unroll=True; for tf.while_loop, a bound from Python numbers or "
+                "static shapes")
 
     def _unroll(self, loop: _Loop, initial: list[_Value]) -> None:
         name = loop.node.name
