@@ -11,6 +11,16 @@ allocator's own view of the step, kept beside the replay. On a device with an al
 own (one CPU, a GPU) it is that device's memory; virtual CPU devices share one allocator, so
 there only the replay splits memory by device.
 
+The allocator's own high-water mark (``AllocatorPeak``) is the independent check of the replay,
+where TF keeps one. TF's default CPU allocator keeps no statistics: with oneDNN off (the default
+on CPUs without AVX-512, or ``TF_ENABLE_ONEDNN_OPTS=0``) ``reset_memory_stats('CPU:0')`` raises
+``Cannot reset memory stats``. oneDNN's allocator and TF's BFC allocator
+(``TF_CPU_ALLOCATOR_USE_BFC=true``, read once, when TF creates its CPU allocator) keep them. The
+library does not set that variable: in a process that already ran TF it comes too late, and it
+would change the allocator the user's own steps run with. Without statistics the allocator's
+peak is ``None`` and every peak is the replay of allocation records, which TF keeps with every
+allocator (the records are the primary measurement in both modes).
+
 Runtime-inserted nodes (``_SOURCE``, ``_Send``/``_Recv``, ``_arg_*``/``_retval_*``) are not graph
 ops and are ignored; fed placeholders are costed exactly from their feeds.
 """
@@ -35,12 +45,48 @@ from graphfit.profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_
 # traced step is the independent check of the peak replayed from allocation records.
 _ALLOCATOR_DEVICE = "CPU:0"
 
-__all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress"]
+__all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress",
+           "AllocatorPeak", "traced_peak_bytes"]
 
 
 def print_progress(message: str) -> None:
     """Progress lines go to stderr so they never mix with a tool's JSON on stdout."""
     print(message, file=sys.stderr, flush=True)
+
+
+class AllocatorPeak:
+    """The high-water mark of the process's CPU allocator over a ``with`` block.
+
+    ``bytes`` is the peak after the block, or ``None`` if the allocator keeps no statistics
+    (module docstring) or ``enabled`` is false (e.g. a step on a gRPC target, whose workers'
+    allocators are not this process's).
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.bytes: int | None = None
+        self._kept = enabled
+
+    def __enter__(self) -> "AllocatorPeak":
+        if self._kept:
+            try:
+                tf.config.experimental.reset_memory_stats(_ALLOCATOR_DEVICE)
+            except ValueError:      # "Cannot reset memory stats": no statistics kept
+                self._kept = False
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._kept:
+            self.bytes = int(tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["peak"])
+
+
+def traced_peak_bytes(session: tf.compat.v1.Session, graph: tf.Graph, fetches, feeds) -> int:
+    """Run ``fetches`` once traced in ``session``; the largest device peak replayed from the
+    allocation records."""
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(fetches, feeds, run_metadata=metadata,
+                options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+    _, devices = profile_from_run_metadata(graph, [metadata], set())
+    return max(memory.peak_bytes for memory in devices.values())
 
 
 def step_fetches(item: GraphItem) -> list[str]:
@@ -187,19 +233,17 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         for k in range(warmup + steps):
             traced = k >= warmup and (k - warmup) % trace_every == 0
             metadata = tf.compat.v1.RunMetadata()
-            if traced and not target:
-                tf.config.experimental.reset_memory_stats(_ALLOCATOR_DEVICE)
-            begin = time.perf_counter()
-            session.run(fetches, feeds, options=options if traced else None,
-                        run_metadata=metadata if traced else None)
-            elapsed_us = (time.perf_counter() - begin) * 1e6
+            with AllocatorPeak(enabled=traced and not target) as allocator:
+                begin = time.perf_counter()
+                session.run(fetches, feeds, options=options if traced else None,
+                            run_metadata=metadata if traced else None)
+                elapsed_us = (time.perf_counter() - begin) * 1e6
             if k >= warmup and not traced:
                 step_times.append(elapsed_us)
             if traced:
                 runs.append(metadata)
-                if not target:
-                    allocator_peaks.append(
-                        tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["peak"])
+                if allocator.bytes is not None:
+                    allocator_peaks.append(allocator.bytes)
             if progress:
                 phase = "warm-up" if k < warmup else ("traced" if traced else "timed")
                 progress(f"profile {item.name or 'graph'}: step {k + 1}/{warmup + steps} "

@@ -5,8 +5,8 @@ calibrated by ``remat.tf_memory``) and a compute overhead. This module runs the 
 the rewritten training step under the project's one session configuration and reports:
 
 - the peak from the allocator's records of a traced step (``profiler.trace.profile_graph``)
-  and the allocator's own high-water mark (``tf.config.experimental.get_memory_info``), for
-  both graphs;
+  and, where the allocator keeps statistics, its own high-water mark over that step
+  (``profiler.trace.AllocatorPeak``; ``None`` with TF's default CPU allocator), for both graphs;
 - the measured overhead: the median, over rounds, of the rewritten step's time over the
   original's, the two run alternately in two open sessions so that both see the same load
   (this machine is shared and noisy);
@@ -24,8 +24,6 @@ import dataclasses
 import statistics
 import time
 from typing import Any
-
-import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
@@ -45,13 +43,14 @@ class StepMeasurement:
     Attributes:
         peak_bytes: peak replayed from the allocator's records of a traced step (resident
             variables and feeds included).
-        allocator_peak_bytes: ``get_memory_info('CPU:0')['peak']`` over the measured run.
+        allocator_peak_bytes: the allocator's high-water mark over the traced step (``None``:
+            the allocator keeps no statistics, ``profiler.trace.AllocatorPeak``).
         step_time_us: median time of the untraced steps.
         profile: the full profile (per-op costs) of the step.
     """
 
     peak_bytes: int
-    allocator_peak_bytes: int
+    allocator_peak_bytes: int | None
     step_time_us: float
     profile: Profile
 
@@ -63,12 +62,12 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1,
     ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
     are timed.
     """
-    tf.config.experimental.reset_memory_stats("CPU:0")
     profile = profile_graph(step_item(item), steps=steps, warmup=warmup, trace_every=steps,
                             num_cpu_devices=num_cpu_devices, progress=None)
-    allocator_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     times = profile.step_time_us or [float("nan")]
-    return StepMeasurement(peak_bytes=profile.peak_bytes, allocator_peak_bytes=int(allocator_peak),
+    return StepMeasurement(peak_bytes=profile.peak_bytes,
+                           allocator_peak_bytes=max(profile.metadata["allocator_peak_bytes"],
+                                                    default=None),
                            step_time_us=statistics.median(times), profile=profile)
 
 
@@ -126,9 +125,11 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         "measured_peak_bytes": measured.peak_bytes,
         "measured_allocator_peak_bytes": measured.allocator_peak_bytes,
         "peak_ratio": measured.peak_bytes / baseline.peak_bytes,
-        # oneDNN's small-size allocator is invisible to TF's stats: tiny graphs read 0.
+        # None without allocator statistics; oneDNN's small-size allocator is invisible to
+        # them, so tiny graphs read 0.
         "allocator_peak_ratio": (measured.allocator_peak_bytes / baseline.allocator_peak_bytes
-                                 if baseline.allocator_peak_bytes else None),
+                                 if baseline.allocator_peak_bytes and measured.allocator_peak_bytes
+                                 is not None else None),
         "prediction_error": measured.peak_bytes / plan.peak_bytes - 1.0,
         "planned_overhead": plan.overhead,
         "measured_overhead": paired_overhead(original, rewritten, max(steps, 3), warmup),

@@ -36,6 +36,9 @@ def test_profiles_measure_at_least_95_percent_of_step_ops(profiles, name):
 @pytest.mark.parametrize("name", ["mlp", "cifarnet", "resnet", "transformer"])
 def test_profiled_peak_agrees_with_tf_allocator(profiles, name):
     _, profile = profiles[name]
+    if not profile.metadata["allocator_peak_bytes"]:
+        pytest.skip("TF's CPU allocator keeps no statistics in this process (oneDNN off): "
+                    "run with TF_ENABLE_ONEDNN_OPTS=1 or TF_CPU_ALLOCATOR_USE_BFC=true")
     tf_peak = max(profile.metadata["allocator_peak_bytes"])
     assert tf_peak > 0
     # The allocator's samples at op ends: within 10% of TF's own peak for the same steps.
@@ -88,10 +91,10 @@ def test_cost_graph_takes_measured_costs_and_estimates_the_rest(profiles):
     for i in np.flatnonzero(measured.measured):
         name = measured.names[i]
         assert measured.compute_us[i] == profile.ops[name].compute_us
-    # cifarnet's missed ops are the ones oneDNN fused into their measured readers
-    # (Conv2D into BiasAdd): their time is already counted there.
+    # cifarnet's missed ops (with oneDNN on) are the ones oneDNN fused into their measured
+    # readers (Conv2D into BiasAdd): their time is already counted there.
     missing = np.flatnonzero(~measured.measured)
-    assert len(missing) and (measured.compute_us[missing] == 0).all()
+    assert (measured.compute_us[missing] == 0).all()
     assert all(measured.names[i].endswith(("Conv2D", "BiasAddGrad")) for i in missing)
     # Without a profile every op gets a positive estimate.
     assert (estimated.compute_us > 0).all()

@@ -88,13 +88,13 @@ def _model_kwargs() -> dict:
 
 
 def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "") -> dict:
-    """Run the step ``warmup + steps`` times; median step time, final loss and the
-    allocator's peak bytes over the measured steps (CPU:0's allocator is shared by all
-    virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers')."""
-    import tensorflow as tf
-
+    """Run the step ``warmup + steps`` times; median step time, final loss and the peak bytes:
+    the allocator's high-water mark over the measured steps (CPU:0's allocator is shared by all
+    virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers'), or, if
+    the allocator keeps no statistics (``profiler.trace.AllocatorPeak``), the peak replayed
+    from the allocation records of one more, traced step."""
     from graphfit.profiler.session import make_session
-    from graphfit.profiler.trace import step_fetches
+    from graphfit.profiler.trace import AllocatorPeak, step_fetches, traced_peak_bytes
 
     times_ms, losses = [], []
     with make_session(item.graph, num_cpu_devices, target) as session:
@@ -103,15 +103,17 @@ def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: s
         fetches = step_fetches(item)[:2]
         for _ in range(warmup):
             session.run(fetches, feeds)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        for _ in range(steps):
-            begin = time.perf_counter()
-            _, loss = session.run(fetches, feeds)
-            times_ms.append((time.perf_counter() - begin) * 1000)
-            losses.append(float(loss))
-        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        with AllocatorPeak() as allocator:
+            for _ in range(steps):
+                begin = time.perf_counter()
+                _, loss = session.run(fetches, feeds)
+                times_ms.append((time.perf_counter() - begin) * 1000)
+                losses.append(float(loss))
+        peak, source = allocator.bytes, "allocator"
+        if peak is None:
+            peak, source = traced_peak_bytes(session, item.graph, fetches, feeds), "records"
     return {"step_time_ms_median": statistics.median(times_ms), "step_times_ms": times_ms,
-            "losses": losses, "peak_bytes": int(peak)}
+            "losses": losses, "peak_bytes": int(peak), "peak_source": source}
 
 
 def _device_set(names):
