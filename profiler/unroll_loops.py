@@ -405,6 +405,7 @@ class _Unroller:
         stateful: list[str] = []
         env: dict[str, _Value] = {}
         values = [self._as_list(v) for v in initial]
+        history: list[list[_Value]] = []
         for i, static in enumerate(iterations):
             env = {k: v for k, v in env.items() if _split(k)[0] in invariant}
             env.update((f"{arg}:0", value) for arg, value in zip(loop.body_args, values))
@@ -416,6 +417,9 @@ class _Unroller:
                 self._copy_body_node(node, env, static, _relative_name(name, node.name),
                                      _Copy(scope, roots_control, loop.node.device, stateful))
             values = [env[_full(r)] for r in loop.body_results]
+            history.append(values)
+        for sums in zip(*history):
+            self._keep_running_sum_apart(list(sums))
         for port, (value, known) in enumerate(zip(values, final_static)):
             self._env[f"{name}:{port}"] = value
             self._outer_static.know(f"{name}:{port}", known)
@@ -427,6 +431,22 @@ class _Unroller:
             barrier.input.extend(roots_control)
             self._add(barrier)
         self.unrolled[name] = len(iterations)
+
+    def _keep_running_sum_apart(self, sums: list[_Value]) -> None:
+        """A loop variable that adds one contribution per iteration (a gradient loop's weight
+        gradient) unrolls into a chain of adds, each taking the previous sum's buffer over;
+        the memory model (``remat.tf_memory``) would fold it into one node that reads every
+        contribution at once. A control edge from each earlier sum to the last add, as
+        ``remat.grad_accumulation`` gives its chains, keeps each add a node of its own, so
+        the planner sees each contribution freed; it orders nothing the data edges do not."""
+        if len(sums) < 3 or not all(isinstance(v, str) for v in sums):
+            return
+        adds = [self._nodes.get(_split(v)[0]) for v in sums]
+        if not all(add is not None and add.name in self.emitted
+                   and add.op in ("AddN", "AddV2", "Add") and previous in add.input
+                   for add, previous in zip(adds[1:], sums[:-1])):
+            return
+        adds[-1].input.extend(f"^{add.name}" for add in adds[:-2])
 
     def _as_list(self, value: _Value) -> _Value:
         """A list made outside the loop enters it tracked."""
