@@ -29,8 +29,11 @@ such loop into straight-line ops:
 - **Names of the loop.** Consumers of ``W:k`` read the final value of loop variable ``k``;
   when ``W`` is a control input or a kept node, a ``NoOp`` named ``W`` waits for every copy
   of a stateful op (variable reads) and every final value, so ordering edges to the loop
-  still mean "after the loop". The loop's own control inputs go to the copies without inputs
-  from the loop.
+  still mean "after the loop".
+- **Order.** Copies of iteration ``i`` that read nothing of the iteration but constants wait
+  (control edges) for the results of iteration ``i - 1`` (the first iteration for the loop's
+  own control inputs): TF runs the steps in order, as the loop did, rather than every step's
+  input projection ahead in an order that changes from run to run.
 
 Refused (``LoopUnrollError``, naming the loop and what to change): an unknown trip count,
 more than ``MAX_ITERATIONS`` iterations, bodies with stateful ops other than variable reads
@@ -294,11 +297,10 @@ _LIST_SOURCES = frozenset({"EmptyTensorList", "TensorListReserve", "TensorListFr
 
 @dataclasses.dataclass
 class _Copy:
-    """Where the copies of one body node go: scope, the loop's control inputs (for copies
-    without inputs from the loop) and device, the loop's stateful copies so far."""
+    """Where the copies of one body node go: scope, the loop's device, the loop's stateful
+    copies so far."""
 
     scope: str
-    roots_control: list[str]
     device: str
     stateful: list[str]
 
@@ -406,6 +408,7 @@ class _Unroller:
         env: dict[str, _Value] = {}
         values = [self._as_list(v) for v in initial]
         history: list[list[_Value]] = []
+        first_copy = len(self._out)
         for i, static in enumerate(iterations):
             env = {k: v for k, v in env.items() if _split(k)[0] in invariant}
             env.update((f"{arg}:0", value) for arg, value in zip(loop.body_args, values))
@@ -415,7 +418,11 @@ class _Unroller:
                 scope = f"{name}/invariant" if node.name in invariant \
                     else f"{name}/iteration_{i}"
                 self._copy_body_node(node, env, static, _relative_name(name, node.name),
-                                     _Copy(scope, roots_control, loop.node.device, stateful))
+                                     _Copy(scope, loop.node.device, stateful))
+            self._order_after(first_copy, roots_control if i == 0 else [
+                f"^{_split(v)[0]}" for v in values if isinstance(v, str)
+                and _split(v)[0] in self.emitted and self._nodes[_split(v)[0]].op != "Const"])
+            first_copy = len(self._out)
             values = [env[_full(r)] for r in loop.body_results]
             history.append(values)
         for sums in zip(*history):
@@ -431,6 +438,22 @@ class _Unroller:
             barrier.input.extend(roots_control)
             self._add(barrier)
         self.unrolled[name] = len(iterations)
+
+    def _order_after(self, first: int, controls: list[str]) -> None:
+        """Control inputs ``controls`` for the copies from ``self._out[first:]`` (one iteration)
+        that read nothing else of the iteration but constants: the loop's own control inputs
+        for the first iteration, the previous iteration's results for the others. The
+        executor then runs iteration ``i`` after ``i - 1`` as the loop did, instead of running
+        every step's input projection ahead, in an order that changes from run to run and
+        that the profile and the plan did not see."""
+        if not controls:
+            return
+        copies = self._out[first:]
+        inner = {node.name for node in copies if node.op != "Const"}
+        for node in copies:
+            if node.op != "Const" and not any(_split(i.lstrip("^"))[0] in inner
+                                              for i in node.input):
+                node.input.extend(c for c in dict.fromkeys(controls) if c not in node.input)
 
     def _keep_running_sum_apart(self, sums: list[_Value]) -> None:
         """A loop variable that adds one contribution per iteration (a gradient loop's weight
@@ -486,8 +509,6 @@ class _Unroller:
         controls = [env.get(f"{c}:0") for c in _control_inputs(node)]
         copy.input.extend(dict.fromkeys(f"^{_split(c)[0]}" for c in controls
                                         if isinstance(c, str) and _split(c)[0] in self.emitted))
-        if not any(_split(i.lstrip("^"))[0] in self.emitted for i in copy.input):
-            copy.input.extend(where.roots_control)
         self._add(copy, emitted=True)
         if _is_stateful(node.op):
             where.stateful.append(new_name)
