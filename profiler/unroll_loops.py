@@ -92,11 +92,6 @@ def _is_stateful(op_type: str) -> bool:
     return op_def is None or op_def.is_stateful
 
 
-def _calls_function(node: node_def_pb2.NodeDef, library: set[str]) -> bool:
-    return node.op in library or any(value.HasField("func") or value.list.func
-                                     for value in node.attr.values())
-
-
 def _topological(nodes: list[node_def_pb2.NodeDef]) -> list[node_def_pb2.NodeDef]:
     """``nodes`` in an order where every node follows its (data and control) inputs; ties
     keep the given order."""
@@ -244,10 +239,10 @@ class _Loop:
     body_args: list[str]
     body_nodes: list[node_def_pb2.NodeDef]          # topological
     body_results: list[str]
-    body_control_results: list[str]
 
 
-def _function_graph(fdef) -> tuple[list[str], list[node_def_pb2.NodeDef], list[str], list[str]]:
+def _function_graph(fdef) -> tuple[list[str], list[node_def_pb2.NodeDef], list[str]]:
+    """A ``FunctionDef`` as (argument names, nodes, result tensors ``"node:port"``)."""
     graph_def, flat = function_def_to_graph.function_def_to_graph_def(fdef)
     args = [arg.name for arg in fdef.signature.input_arg]
     results = [flat.get(fdef.ret[arg.name], fdef.ret[arg.name])
@@ -255,30 +250,29 @@ def _function_graph(fdef) -> tuple[list[str], list[node_def_pb2.NodeDef], list[s
     results = [r if ":" in r else f"{r}:0" for r in results]
     arg_set = set(args)
     nodes = [node for node in graph_def.node if node.name not in arg_set]
-    return args, nodes, results, list(fdef.control_ret.values())
+    return args, nodes, results
 
 
 def _loop(node: node_def_pb2.NodeDef, library: Mapping[str, object]) -> _Loop:
-    cond_args, cond_nodes, cond_results, _ = _function_graph(library[node.attr["cond"].func.name])
-    body_args, body_nodes, body_results, control = _function_graph(
-        library[node.attr["body"].func.name])
-    names = set(library)
+    cond_args, cond_nodes, cond_results = _function_graph(library[node.attr["cond"].func.name])
+    body_args, body_nodes, body_results = _function_graph(library[node.attr["body"].func.name])
     for body_node in [*cond_nodes, *body_nodes]:
-        if body_node.op in _LOOP_OPS or _calls_function(body_node, names):
+        if body_node.op in _LOOP_OPS or body_node.op in library \
+                or _called_functions(body_node):
             raise LoopUnrollError(
                 f"cannot unroll the loop {node.name} ({node.op}): its body calls "
                 f"{body_node.name} ({body_node.op}), a nested loop or function. Unroll the "
                 "inner loop in the model (unroll=True on a Keras RNN layer) or call the inner "
                 "code directly instead of through a tf.function")
-        if body_node in body_nodes and _is_stateful(body_node.op) \
-                and body_node.op not in _SAFE_STATEFUL_OPS:
+    for body_node in body_nodes:
+        if _is_stateful(body_node.op) and body_node.op not in _SAFE_STATEFUL_OPS:
             raise LoopUnrollError(
                 f"cannot unroll the loop {node.name} ({node.op}): its body runs the stateful "
                 f"op {body_node.name} ({body_node.op}), whose order or random draws would "
                 "change. Use unroll=True on the Keras RNN layer, or move the op out of the "
                 "loop (e.g. draw dropout masks before it)")
     return _Loop(node, cond_args, {n.name: n for n in cond_nodes}, cond_results[0],
-                 body_args, _topological(body_nodes), body_results, control)
+                 body_args, _topological(body_nodes), body_results)
 
 
 def _relative_name(loop_name: str, name: str) -> str:
