@@ -19,19 +19,19 @@ from graphfit.profiler.unroll_loops import unroll_loops  # noqa: E402
 SEQUENCE, FEATURES, BATCH, UNITS, CLASSES = 8, 5, 4, 16, 3
 
 
-def _batch(seed=0):
+def _batch(seed=0, batch=BATCH, sequence=SEQUENCE):
     rng = np.random.default_rng(seed)
-    return (rng.random((BATCH, SEQUENCE, FEATURES), dtype=np.float32),
-            rng.integers(0, CLASSES, BATCH))
+    return (rng.random((batch, sequence, FEATURES), dtype=np.float32),
+            rng.integers(0, CLASSES, batch))
 
 
-def _rnn_step(layer, optimizer, stacked=False):
+def _rnn_step(layer, optimizer, stacked=False, sequence=SEQUENCE, units=UNITS):
     """A Keras RNN classifier (``unroll=False``), its optimizer and a ``tf.function`` step;
     equal arguments give equal initial weights."""
     keras.utils.set_random_seed(0)
     rnn = getattr(keras.layers, layer)
-    layers = [rnn(UNITS, return_sequences=True)] if stacked else []
-    model = keras.Sequential([keras.Input((SEQUENCE, FEATURES)), *layers, rnn(UNITS),
+    layers = [rnn(units, return_sequences=True)] if stacked else []
+    model = keras.Sequential([keras.Input((sequence, FEATURES)), *layers, rnn(units),
                               keras.layers.Dense(CLASSES)])
     opt = keras.optimizers.Adam(1e-2) if optimizer == "adam" else keras.optimizers.SGD(0.1)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -170,27 +170,9 @@ def test_unrolled_lstm_is_rematerialized_and_trains_like_the_keras_step():
     dominate the peak (sequence 16, batch 64, 32 units)."""
     from graphfit import baechi
 
-    def build():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((16, FEATURES)), keras.layers.LSTM(32),
-                                  keras.layers.Dense(CLASSES)])
-        opt = keras.optimizers.SGD(0.1)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-        @tf.function
-        def train_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                    model.trainable_variables))
-            return loss
-
-        return model, train_step
-
-    rng = np.random.default_rng(0)
-    batch = (rng.random((64, 16, FEATURES), dtype=np.float32), rng.integers(0, CLASSES, 64))
-    model, train_step = build()
-    reference_model, reference_step = build()
+    batch = _batch(batch=64, sequence=16)
+    model, _, train_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
+    reference_model, _, reference_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
     item = graph_item_from_function(train_step, *batch)
     result = baechi.optimize(item, memory_ratio=0.8, remat_heuristic="offline", progress=None)
     report = result.report()["remat"]
