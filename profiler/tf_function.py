@@ -30,7 +30,11 @@ Rules:
   position), which for Keras optimizers is the order of ``trainable_variables``.
 - **Train op.** A ``NoOp`` grouping the function's control outputs (every stateful op the
   function ran, as automatic control dependencies collected them).
-- **Nested functions** (``StatefulPartitionedCall``, ``While``/``If`` bodies, any attribute
+- **Loops** (``While``: Keras RNN layers with ``unroll=False``, ``tf.while_loop``) whose trip
+  count is known when the step is traced are unrolled into the step by
+  ``profiler.unroll_loops`` (per-step intermediates become ordinary tensors the passes see);
+  other loops are refused with what to change (a fixed sequence length, ``unroll=True``).
+- **Other nested functions** (``StatefulPartitionedCall``, ``If`` branches, any attribute
   naming a function) are opaque to the passes: such a step is refused with the names of the
   nodes to inline (e.g. trace the step without nested ``tf.function`` calls or Keras
   ``jit_compile``).
@@ -62,6 +66,7 @@ from tensorflow.python.eager import context as eager_context
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import step_operations
+from graphfit.profiler.unroll_loops import LoopUnrollError, unroll_loops
 
 __all__ = ["FunctionItem", "FunctionItemError", "graph_item_from_function", "to_callable",
            "gradient_tensors"]
@@ -110,7 +115,7 @@ def _check_no_functions(graph_def: tf.compat.v1.GraphDef) -> None:
             f"the traced step calls nested functions: {shown}. Their bodies are opaque to "
             "the profile, rematerialization and placement passes; inline them (call the "
             "inner code directly instead of through a nested tf.function, avoid "
-            "jit_compile, tf.while_loop and tf.cond with tensor predicates in the step)")
+            "jit_compile and tf.cond with tensor predicates in the step)")
 
 
 def _loss_tensor(concrete: Any) -> tf.Tensor:
@@ -224,7 +229,8 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
 
     Raises:
         FunctionItemError: ``fn`` is no ``tf.function``, returns no loss, computes no
-            gradients, calls nested functions, or captures a resource that is no variable.
+            gradients, runs a loop that cannot be unrolled, calls other nested functions, or
+            captures a resource that is no variable.
 
     References:
         DESIGN.md §8 (what a traced Keras 3 step looks like).
@@ -234,6 +240,12 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
             f"{fn!r} is not a tf.function: decorate the training step with @tf.function")
     concrete = fn.get_concrete_function(*args)
     graph_def = concrete.graph.as_graph_def()
+    kept = {t.op.name for t in [*concrete.inputs, *concrete.outputs]} | \
+        {op.name for op in concrete.graph.control_outputs}
+    try:
+        graph_def, unrolled = unroll_loops(graph_def, keep=kept)
+    except LoopUnrollError as error:
+        raise FunctionItemError(str(error)) from None
     _check_no_functions(graph_def)
     loss = _loss_tensor(concrete)
     num_data = len(concrete.inputs) - len(concrete.captured_inputs)
@@ -260,8 +272,9 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
              for tensor_name, value in zip(data_inputs, _data_values(signature, args))}
     return FunctionItem(graph=graph, train_op=train_op.name, loss=loss.name,
                         gradients=gradients, init_op=init_op.name, feeds=feeds, name=name,
-                        config={"source": "tf.function", "function": getattr(fn, "__name__",
-                                                                              str(fn))},
+                        config={"source": "tf.function",
+                                "function": getattr(fn, "__name__", str(fn)),
+                                "unrolled_loops": unrolled.trip_counts},
                         data_inputs=data_inputs, captures=captures, input_signature=signature)
 
 
