@@ -32,10 +32,10 @@ import scipy.sparse
 from scipy.optimize import linprog
 
 from graphfit.profiler.cost_graph import CostGraph
-from graphfit.remat.checkmate import NoScheduleFoundError, _build
+from graphfit.remat.checkmate import NoScheduleFoundError, _build, check_budget
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.schedule import plan_from_schedule
-from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes
+from graphfit.remat.validate import InfeasibleBudgetError
 
 __all__ = ["checkmate_lp"]
 
@@ -126,12 +126,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
             full budget is infeasible (then so is the MILP).
         NoScheduleFoundError: no rounding fits the budget (within the time limit).
     """
-    minimum = minimum_budget_bytes(graph, outputs=outputs)
-    if budget_bytes < minimum:
-        raise InfeasibleBudgetError(
-            f"a budget of {budget_bytes} bytes is below the minimum of {minimum} bytes "
-            "(persistent bytes + the largest working set of one op with the tensors that cannot "
-            "be recomputed)", budget_bytes, minimum)
+    minimum = check_budget(graph, budget_bytes, outputs)
     start = time.perf_counter()
     best, bound, solves, num_stages = None, None, 0, 0
     for scale in BUDGET_SCALES:
