@@ -65,7 +65,7 @@ from graphfit.remat.plan import RematPlan
 from graphfit.remat.schedule import plan_from_schedule
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, recomputable_ops
 
-__all__ = ["NoScheduleFoundError", "checkmate_milp"]
+__all__ = ["NoScheduleFoundError", "check_budget", "checkmate_milp"]
 
 # Memory rows count in units of budget / 1024 bytes: coefficients stay near 1 (HiGHS's simplex
 # slows down badly on wide ranges), and its feasibility tolerance (1e-7 units, 1e-10 of the
@@ -246,6 +246,21 @@ def _build(graph: CostGraph, budget_bytes: int, candidates: np.ndarray | None,
     return model, R, blocks, coarsened
 
 
+def check_budget(graph: CostGraph, budget_bytes: int, outputs: Sequence[int]) -> int:
+    """``remat.validate.minimum_budget_bytes`` of the graph, once checked against the budget.
+
+    Raises:
+        InfeasibleBudgetError: the budget is below it (the message names it).
+    """
+    minimum = minimum_budget_bytes(graph, outputs=outputs)
+    if budget_bytes < minimum:
+        raise InfeasibleBudgetError(
+            f"a budget of {budget_bytes} bytes is below the minimum of {minimum} bytes "
+            "(persistent bytes + the largest working set of one op with the tensors that cannot "
+            "be recomputed)", budget_bytes, minimum)
+    return minimum
+
+
 def checkmate_milp(graph: CostGraph, budget_bytes: int, time_limit_s: float = 60.0,
                    mip_rel_gap: float = 1e-4,
                    candidates: np.ndarray | None = None, *,
@@ -281,12 +296,7 @@ def checkmate_milp(graph: CostGraph, budget_bytes: int, time_limit_s: float = 60
         NoScheduleFoundError: no schedule was found within ``time_limit_s``, or a restricted
             model (``max_stages``, ``candidates``) is infeasible.
     """
-    minimum = minimum_budget_bytes(graph, outputs=outputs)
-    if budget_bytes < minimum:
-        raise InfeasibleBudgetError(
-            f"a budget of {budget_bytes} bytes is below the minimum of {minimum} bytes "
-            "(persistent bytes + the largest working set of one op with the tensors that cannot "
-            "be recomputed)", budget_bytes, minimum)
+    minimum = check_budget(graph, budget_bytes, outputs)
     start = time.perf_counter()
     model, R, blocks, coarsened = _build(graph, budget_bytes, candidates, outputs, max_stages)
     matrix = scipy.sparse.csr_array(

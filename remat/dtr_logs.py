@@ -24,7 +24,10 @@ Modelling (the choices a replay has to make):
 - ``ANNOTATE``: the step starts after ``START``; ``BACKWARD`` marks the first backward op.
 
 Liveness comes from the graph (a tensor dies after its last reader), not from ``RELEASE``: the
-simulator frees eagerly, which is at least as early as Python dropping its last reference.
+simulator frees eagerly, which is at least as early as Python dropping its last reference. The
+release events are kept too (``DtrTrace.released_after``): DTR's papers take budget ratios of
+the peak of a replay that frees a storage only when the program drops its last reference
+(``release_peak_bytes``), which is higher than the eager checkpoint-all peak.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 __all__ = ["DtrLogError", "DtrTrace", "default_logs_path", "read_log", "load_trace",
-           "load_traces", "trace_names"]
+           "load_traces", "trace_names", "release_peak_bytes"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,12 +64,16 @@ class DtrTrace:
         outputs: tensor ids that must be resident when the step ends.
         backward_start: id of the first op after the ``BACKWARD`` annotation (``num_ops`` if
             the log has none).
+        released_after: per tensor, the id of the last op logged before the program dropped
+            its last reference to the tensor's storage (itself or a view of it);
+            ``num_ops`` for the step's outputs. Views (0 bytes) carry their root's value.
     """
 
     name: str
     graph: CostGraph
     outputs: list[int]
     backward_start: int
+    released_after: list[int] = dataclasses.field(default_factory=list)
 
 
 def default_logs_path() -> Path:
@@ -83,6 +92,7 @@ class _Builder:
         self.root: dict[tuple[str, int], tuple[str, int]] = {}  # view -> storage tensor
         self.storage_bytes: dict[tuple[str, int], int] = {}
         self.backward_start: int | None = None
+        self.released_after: dict[tuple[str, int], int] = {}  # tensor -> last op before release
 
     def bind(self, name: str, tensor: tuple[str, int]) -> None:
         self.release(name)
@@ -93,6 +103,8 @@ class _Builder:
         tensor = self.names.pop(name, None)
         if tensor is not None:
             self.holders[tensor].discard(name)
+            if not self.holders[tensor]:
+                self.released_after[tensor] = len(self.specs) - 1
 
     def rebind_all(self, old: tuple[str, int], new: tuple[str, int]) -> None:
         for name in list(self.holders.get(old, ())):
@@ -199,7 +211,39 @@ def read_log(lines: Iterable[str | bytes], name: str = "") -> DtrTrace:
     live |= {b.root[t] for t in live if t in b.root}
     outputs = sorted(int(graph.output_offset[graph.index[op]]) + port for op, port in live)
     backward = graph.num_ops if b.backward_start is None else b.backward_start
-    return DtrTrace(name=name, graph=graph, outputs=outputs, backward_start=backward)
+    released = [-1] * graph.num_tensors
+    for (op, port), last in b.released_after.items():
+        storage = b.root.get((op, port), (op, port))
+        t = int(graph.output_offset[graph.index[storage[0]]]) + storage[1]
+        released[t] = max(released[t], last)
+    for t in outputs:
+        released[t] = graph.num_ops
+    for (op, port), storage in b.root.items():
+        view = int(graph.output_offset[graph.index[op]]) + port
+        released[view] = released[int(graph.output_offset[graph.index[storage[0]]]) + storage[1]]
+    return DtrTrace(name=name, graph=graph, outputs=outputs, backward_start=backward,
+                    released_after=released)
+
+
+def release_peak_bytes(trace: DtrTrace) -> int:
+    """Peak resident bytes of the step without a budget when each storage is freed after its
+    last reader or at its release event, whichever comes later — the baseline DTR's simulator
+    (and paper) takes budget ratios of. As there, a constant counts from the op that declares it;
+    the step's outputs are never freed.
+    """
+    g = trace.graph
+    n = g.num_ops
+    death = np.maximum(np.array(trace.released_after, dtype=np.int64), g.tensor_producer)
+    for t in range(g.num_tensors):
+        consumers = g.tensor_consumers(t)
+        if len(consumers):
+            death[t] = max(death[t], int(consumers.max()))
+    delta = np.zeros(n + 2, dtype=np.int64)
+    np.add.at(delta, g.tensor_producer, g.tensor_bytes)
+    np.add.at(delta, np.minimum(death, n) + 1, -g.tensor_bytes)
+    delta[:n] += g.persistent_bytes
+    live = np.cumsum(delta)[:n] + g.temp_bytes
+    return int(live.max() if n else 0)
 
 
 def _expect(records, k: int, kind: str, name: str) -> dict:

@@ -16,9 +16,13 @@ The memory model (``remat.validate.replay_plan`` checks any plan with the same r
 - A tensor is freed right after its last use in the order ("eager eviction"); a tensor nobody
   reads is freed as soon as it is made, unless it is one of the step's ``outputs``, which must
   all be resident when the step ends (they are recomputed then if evicted).
-- A tensor that was dead but had to be recomputed to recompute another one is freed once the
-  op that needed it has run, unless it may serve again (an op reading it has an evicted output
-  that is still needed): then it stays, evictable, until that is no longer so.
+- A dead tensor (past its last use, or recomputed only to recompute another one) is kept,
+  evictable, while recomputing an evicted, still-needed tensor would read it (found by a short
+  walk down through evicted tensors): holding it costs its bytes only until the heuristic
+  needs them, while freeing it would make that recomputation start further up. It is freed
+  after the op at which no such tensor is left. (DTR's runtime keeps every dead tensor until
+  the program releases it; freeing the others at their last use never costs a
+  recomputation.)
 - Never evicted, never recomputed: outputs of stateful, random, variable and resource-reading
   ops and of ops without data inputs (feeds, constants; their memory is held by the runtime
   anyway). When such a tensor dies, the ops reading it can no longer be recomputed, so their
@@ -52,6 +56,8 @@ __all__ = ["RematError", "OutOfMemoryError", "BudgetTooSmallError", "ThrashError
 PLANNERS = HEURISTICS + ("offline",)
 # The scores the ``offline`` planner replays; it keeps the cheapest plan.
 OFFLINE_PORTFOLIO = ("belady", "dtr")
+# How many evicted tensors a dead tensor's walk to an evicted, still-needed descendant visits.
+_SERVE_WALK = 32
 
 
 class RematError(Exception):
@@ -205,7 +211,7 @@ class _Simulation:
         self.recompute_us = 0.0
         self.limit = overhead_limit
         self.events: list[Event] = []
-        self.scratch: list[int] = []
+        self.scratch: dict[int, int] = {}  # dead tensor kept, evictable -> a tensor it serves
         self.retry: dict[int, list[int]] = {}
         self.stats = {"evictions": 0, "banished": 0, "deferred_banishments": 0}
         self.minimum = minimum_budget_bytes(graph, order, outputs)
@@ -300,7 +306,7 @@ class _Simulation:
                 if recompute:
                     self.heuristic.on_rematerialize(self, w)
                     if not self.is_live(w):
-                        self.scratch.append(w)
+                        self.scratch[w] = -1
             self.last_access[w] = self.clock
         self.computed[q] = True
         self.events.append(Event(RECOMPUTE if recompute else COMPUTE, q))
@@ -342,18 +348,45 @@ class _Simulation:
                 self.last_access[t] = self.clock
 
     def _clean_scratch(self) -> None:
-        """Free the dead tensors recomputation brought back, unless they may serve again:
-        an op reading one has an evicted output that is still needed."""
-        kept = []
-        for t in self.scratch:
+        """After each op: free the kept dead tensors that no recomputation can read any more."""
+        kept = {}
+        for t, witness in self.scratch.items():
             if self.is_live(t) or not self.resident[t]:
                 continue
-            if any(not self.resident[w] and self.is_live(w)
-                   for r in self.consumers[t] if self.computed[r] for w in self.op_outputs[r]):
-                kept.append(t)
+            if witness < 0 or not self._serves(witness):
+                witness = self._served_by(t)
+            if witness >= 0:
+                kept[t] = witness
             else:
-                self._release(t)
+                self._drop(t)
+                self.heuristic.on_evict(self, t)
         self.scratch = kept
+
+    def _serves(self, w: int) -> bool:
+        """``w`` is evicted and still needed: recomputing it will read its ancestors."""
+        return not self.resident[w] and self.is_live(w)
+
+    def _served_by(self, t: int) -> int:
+        """A tensor dead ``t`` may still serve (``_serves``), made from it through ops already
+        run and their non-resident outputs; -1 if none within ``_SERVE_WALK`` tensors."""
+        resident, computed = self.resident, self.computed
+        seen, stack = {t}, [t]
+        while stack:
+            for r in self.consumers[stack.pop()]:
+                if not computed[r]:
+                    continue
+                for w in self.op_outputs[r]:
+                    if w in seen:
+                        continue
+                    if self._serves(w):
+                        return w
+                    if resident[w]:
+                        continue
+                    if len(seen) >= _SERVE_WALK:
+                        return -1
+                    seen.add(w)
+                    stack.append(w)
+        return -1
 
     def _use(self, t: int) -> None:
         """Op at the current position read ``t``: advance its next use, free it if dead."""
@@ -371,8 +404,12 @@ class _Simulation:
         if not self.resident[t] or self.locks[t]:
             return
         if self.recomputable[self.producer[t]]:
-            self._drop(t)
-            self.heuristic.on_evict(self, t)
+            witness = self._served_by(t) if self.budget < math.inf else -1
+            if witness >= 0:
+                self.scratch[t] = witness
+            else:
+                self._drop(t)
+                self.heuristic.on_evict(self, t)
         elif not self.keep_forever[self.producer[t]]:
             self._banish(t)
 
@@ -436,6 +473,9 @@ class _Simulation:
                 self._release(u)
         self.position = self.end
         self._execute(-1, [t for t, o in enumerate(self.is_output) if o])
+        for t in self.scratch:
+            if self.resident[t] and not self.is_live(t):
+                self._drop(t)
         stats = dict(self.stats, heuristic=self.heuristic.name, minimum_bytes=self.minimum,
                      planning_s=time.perf_counter() - self.started)
         return RematPlan(events=self.events, budget_bytes=int(min(self.budget, 2**63 - 1)),

@@ -261,3 +261,27 @@ def test_resnet_trace_from_the_zip():
     plan = simulate(g, 0.5 * base, "dtr", outputs=trace.outputs)
     assert plan.overhead <= 1.2
     assert replay_plan(g, plan, trace.outputs).peak_bytes <= 0.5 * base
+
+
+def test_release_peak_frees_at_release_events_not_at_last_use():
+    import json
+
+    def call(arg, res, mem):
+        return [json.dumps({"INSTRUCTION": "CALL", "NAME": "relu", "ARGS": [arg],
+                            "RESULT": [res], "TIME": "1000"}),
+                json.dumps({"INSTRUCTION": "MEMORY", "NAME": res, "MEMORY": str(mem)}),
+                json.dumps({"INSTRUCTION": "ALIAS", "NAME": res, "ALIAS": "-1"})]
+
+    lines = [json.dumps({"INSTRUCTION": "CONSTANT", "NAME": "x"}),
+             json.dumps({"INSTRUCTION": "MEMORY", "NAME": "x", "MEMORY": "10"})]
+    lines += call("x", "a", 100) + call("a", "b", 100)
+    late = lines + call("b", "c", 100) + [json.dumps({"INSTRUCTION": "RELEASE", "NAME": n})
+                                          for n in ("a", "b")]
+    early = (lines + [json.dumps({"INSTRUCTION": "RELEASE", "NAME": "a"})] + call("b", "c", 100)
+             + [json.dumps({"INSTRUCTION": "RELEASE", "NAME": "b"})])
+    from graphfit.remat.dtr_logs import release_peak_bytes
+    kept, freed = read_log(late), read_log(early)
+    # a is last read by the op making b; the log drops it only after c (late) or before (early).
+    assert release_peak_bytes(kept) == 10 + 300
+    assert release_peak_bytes(freed) == 10 + 200
+    assert baseline_peak_bytes(kept.graph, outputs=kept.outputs) == 10 + 200
