@@ -160,7 +160,9 @@ def profile_from_run_metadata(graph: tf.Graph, runs: list[tf.compat.v1.RunMetada
 
 def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every: int = 2,
                   num_cpu_devices: int = 1, target: str = "",
-                  progress: Callable[[str], None] | None = print_progress) -> Profile:
+                  progress: Callable[[str], None] | None = print_progress,
+                  session_factory: Callable[[tf.Graph], tf.compat.v1.Session] | None = None
+                  ) -> Profile:
     """Run ``item``'s training step and measure it.
 
     Args:
@@ -170,6 +172,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         num_cpu_devices: virtual CPU devices of the session (for placed graphs).
         target: a ``grpc://`` address to profile on a TF cluster, or local.
         progress: called with a line per step; ``None`` for silence.
+        session_factory: graph -> the session to run in (e.g. ``baechi.run.RunTarget.session``,
+            which bounds and diagnoses calls on a cluster); default ``make_session``.
 
     Returns:
         The profile; its ``coverage`` is the fraction of the step's ops measured.
@@ -181,7 +185,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     op_names = {op.name for op in step_ops}
     runs, step_times, allocator_peaks = [], [], []
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    with make_session(item.graph, num_cpu_devices, target) as session:
+    session_factory = session_factory or (lambda g: make_session(g, num_cpu_devices, target))
+    with session_factory(item.graph) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
         for k in range(warmup + steps):

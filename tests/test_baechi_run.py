@@ -16,7 +16,8 @@ from graphfit.baechi.apply import ColocationError, apply_placement, enforced_col
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place import place
 from graphfit.baechi.place_and_run import place_and_check
-from graphfit.baechi.run import (PLACEMENT_RTOL, LocalCluster, MemoryLimitError, local_target,
+from graphfit.baechi.cluster import LocalCluster
+from graphfit.baechi.run import (PLACEMENT_RTOL, MemoryLimitError, local_target,
                         measure_placed_run)
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.step_compare import compare_steps

@@ -12,6 +12,13 @@ measured peak and overhead. With ``--num_devices`` > 1 the step is placed (Baech
 ``--placer_type``, ``--grouper``, memory and communication flags), applied, checked against the
 single-device step and run on the devices (``--cluster``: this process or local gRPC workers); the
 report compares the planned makespan and per-device peaks with the measured ones.
+
+On several machines, start ``tools/worker.py`` on each and give their addresses: the step is
+placed over every device of every worker and runs there (``baechi.cluster``: every call is
+bounded by ``--cluster_timeout_s``; a missing, killed or stopped worker ends the run with a
+``ClusterError`` naming it):
+
+    python -m graphfit.tools.train --model_name=mlp --cluster_spec=worker=h1:2222,h2:2222
 """
 
 from __future__ import annotations
@@ -65,6 +72,17 @@ flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favo
 flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
 flags.DEFINE_enum("cluster", "local", ["local", "grpc"], "Where --num_devices > 1 runs: "
                   "this process (GPUs or virtual CPUs) or local TF gRPC worker processes.")
+flags.DEFINE_string("cluster_spec", None, "Run on running tools/worker.py workers: "
+                    "job=host:port,host:port (e.g. worker=h1:2222,h2:2222) or a JSON file "
+                    "{\"worker\": [...]}; the step is placed over every device of every worker "
+                    "(--num_devices and --cluster are not used).")
+flags.DEFINE_float("cluster_timeout_s", 30.0, "On a gRPC cluster: bound on every session call "
+                   "(a step, a traced step, a close); a worker that is killed, stopped or "
+                   "missing ends the run with an error within about twice this.",
+                   lower_bound=1.0)
+flags.DEFINE_boolean("isolated_network", False, "With --cluster=grpc: run the client and its "
+                     "workers in a private network namespace that has only loopback (unshare "
+                     "--user --net), so no other host can reach the workers' ports.")
 
 
 def _model_kwargs() -> dict:
@@ -87,17 +105,18 @@ def _model_kwargs() -> dict:
     return kwargs
 
 
-def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "") -> dict:
+def run_steps(item, steps: int, warmup: int, session_factory=None) -> dict:
     """Run the step ``warmup + steps`` times; median step time, final loss and the
     allocator's peak bytes over the measured steps (CPU:0's allocator is shared by all
-    virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers')."""
+    virtual CPU devices; on a gRPC cluster it is this client's, not the workers').
+    ``session_factory``: graph -> session (a ``RunTarget.session``); default one device."""
     import tensorflow as tf
 
     from graphfit.profiler.session import make_session
     from graphfit.profiler.trace import step_fetches
 
     times_ms, losses = [], []
-    with make_session(item.graph, num_cpu_devices, target) as session:
+    with (session_factory or make_session)(item.graph) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
         fetches = step_fetches(item)[:2]
@@ -206,12 +225,47 @@ def _profile(item, report: dict):
         report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
                              "profiled_peak_bytes": profile.peak_bytes}
         return profile
-    if FLAGS["cost_path"].present and FLAGS.num_devices > 1:
+    if FLAGS["cost_path"].present and (FLAGS.num_devices > 1 or FLAGS.cluster_spec):
         try:
             return Profile.load(FLAGS.cost_path, item.graph_def())
         except (OSError, ValueError) as error:
             raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
     return None
+
+
+def _cluster():
+    """The gRPC cluster the flags ask for (``None``: run in this process)."""
+    from graphfit.baechi.cluster import Cluster, LocalCluster
+
+    if FLAGS.cluster_spec is not None:
+        if FLAGS["num_devices"].present or FLAGS["cluster"].present:
+            raise app.UsageError("--cluster_spec places over every device of its workers: "
+                                 "leave out --num_devices and --cluster")
+        try:
+            return Cluster(FLAGS.cluster_spec, operation_timeout_s=FLAGS.cluster_timeout_s)
+        except ValueError as error:
+            raise app.UsageError(f"--cluster_spec: {error}") from error
+    if FLAGS.num_devices > 1 and FLAGS.cluster == "grpc":
+        return LocalCluster(FLAGS.num_devices, operation_timeout_s=FLAGS.cluster_timeout_s)
+    return None
+
+
+def _exit_if_stuck(error) -> None:
+    """The watchdog's last resort: a worker failed its probe; session calls return within
+    2 x --cluster_timeout_s, so if this process is still running well after that, something
+    in TF did not honour the timeout: print the diagnosis and exit (workers die with us)."""
+    import os
+    import threading
+
+    def stuck() -> None:
+        print(f"cluster error: {error} (the run did not stop by itself within "
+              f"{grace_s:.0f} s; exiting)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    grace_s = 2 * FLAGS.cluster_timeout_s + 15
+    timer = threading.Timer(grace_s, stuck)
+    timer.daemon = True
+    timer.start()
 
 
 def _optimize_and_run(item, profile, report: dict) -> dict:
@@ -220,15 +274,22 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
 
     from graphfit.baechi import optimize
     from graphfit.baechi.lp import LPSolverError
-    from graphfit.baechi.run import LocalCluster, local_target
+    from graphfit.baechi.run import local_target
     from graphfit.baechi.schedule import PlacementError
     from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
-    placing = FLAGS.num_devices > 1
-    grpc = placing and FLAGS.cluster == "grpc"
-    with LocalCluster(FLAGS.num_devices) if grpc else nullcontext() as cluster:
-        target = cluster.run_target if grpc else local_target(FLAGS.num_devices)
+    cluster = _cluster()
+    with cluster if cluster is not None else nullcontext():
+        if cluster is not None:
+            cluster.watch(_exit_if_stuck)
+        target = cluster.run_target if cluster is not None else local_target(FLAGS.num_devices)
+        placing = len(target.devices) > 1
+        report["num_devices"] = len(target.devices)
+        if cluster is not None:
+            report["cluster"] = {"spec": cluster.spec, "devices": list(target.devices),
+                                 "operation_timeout_s": cluster.operation_timeout_s,
+                                 "workers": cluster.worker_info}
         try:
             result = optimize(item, **budget, target=target,
                               devices=_device_set(list(target.devices)) if placing else None,
@@ -242,16 +303,31 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
         if placing:
             report["place"]["single_device_step_time_ms_median"] = run_steps(
                 item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
-        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
-                        target.target)
+        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session)
     if placing:  # the shared allocator cannot tell devices apart: report the worst device
         run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
     return run
 
 
+def _isolate_network() -> None:
+    """--isolated_network: re-execute this binary in a loopback-only network namespace."""
+    from graphfit.baechi.netns import NamespaceError, enter_isolated_network
+
+    if FLAGS.cluster_spec is not None or FLAGS.cluster != "grpc":
+        raise app.UsageError("--isolated_network is for workers this binary starts itself "
+                             "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
+    try:
+        enter_isolated_network("graphfit.tools.train", sys.argv[1:])
+    except NamespaceError as error:
+        raise SystemExit(f"--isolated_network: {error}") from error
+
+
 def main(argv):
     del argv
+    if FLAGS.isolated_network:
+        _isolate_network()
     from graphfit import models
+    from graphfit.baechi.cluster import ClusterError
     from graphfit.profiler.profile import atomic_write_json
     from graphfit.profiler.trace import print_progress
 
@@ -265,7 +341,10 @@ def main(argv):
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
               "graph_ops": num_ops, "num_devices": FLAGS.num_devices}
     profile = _profile(item, report)
-    result = report["run"] = _optimize_and_run(item, profile, report)
+    try:
+        result = report["run"] = _optimize_and_run(item, profile, report)
+    except ClusterError as error:
+        raise SystemExit(f"cluster error: {error}") from error
     atomic_write_json(FLAGS.report_path, report)
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
           f"{FLAGS.steps}), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
