@@ -91,18 +91,23 @@ class _DiagnosedSession(tf.compat.v1.Session):
     def __init__(self, diagnose: Callable[[tf.errors.OpError], Exception], **kwargs):
         super().__init__(**kwargs)
         self._diagnose = diagnose
+        self._failed = False
 
     def run(self, *args, **kwargs):
         try:
             return super().run(*args, **kwargs)
         except tf.errors.OpError as error:
+            self._failed = True
             raise self._diagnose(error) from error
 
     def close(self) -> None:
+        """Close (bounded by the operation timeout); after a failed run, the close's own
+        error (the same dead worker) is dropped: the run's error was already raised."""
         try:
             super().close()
         except tf.errors.OpError as error:
-            raise self._diagnose(error) from error
+            if not self._failed:
+                raise self._diagnose(error) from error
 
 
 def local_target(num_devices: int) -> RunTarget:
