@@ -413,6 +413,18 @@ def _process_state(pid: int) -> str:
         return ""
 
 
+def _process_fault(process: subprocess.Popen) -> str | None:
+    """What the kernel says about a worker process: exited, killed, stopped (else ``None``)."""
+    code = process.poll()
+    if code is not None and code < 0:
+        return f"(pid {process.pid}) was killed by {signal.Signals(-code).name}"
+    if code is not None:
+        return f"(pid {process.pid}) exited with code {code}"
+    if _process_state(process.pid) == "T":
+        return f"(pid {process.pid}) is stopped (SIGSTOP or a debugger)"
+    return None
+
+
 class LocalCluster(Cluster):
     """``num_workers`` workers of ``tools/worker.py`` on loopback ports, started and owned
     here, each in its own process; a ``Cluster`` of them.
@@ -502,15 +514,16 @@ class LocalCluster(Cluster):
 
     def _task_fault(self, task: Task) -> str | None:
         process = self._processes[task.index] if task.index < len(self._processes) else None
-        if process is not None:
-            code = process.poll()
-            if code is not None and code < 0:
-                return f"(pid {process.pid}) was killed by {signal.Signals(-code).name}"
-            if code is not None:
-                return f"(pid {process.pid}) exited with code {code}"
-            if _process_state(process.pid) == "T":
-                return f"(pid {process.pid}) is stopped (SIGSTOP or a debugger)"
-        return super()._task_fault(task)
+        if process is None:
+            return super()._task_fault(task)
+        fault = _process_fault(process) or super()._task_fault(task)
+        if fault:  # a dying process closes its port before it can be reaped: wait for it
+            try:
+                process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            return _process_fault(process) or fault
+        return None
 
     def close(self) -> None:
         """Stop the watchdog and kill the workers (idempotent)."""

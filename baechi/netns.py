@@ -71,11 +71,12 @@ def bring_up_loopback() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
 
-def enter_isolated_network(module: str, args: list[str]) -> None:
+def enter_isolated_network(command: list[str]) -> None:
     """Make sure this process runs in a network namespace with only loopback.
 
     Inside one already (only ``lo``): bring ``lo`` up and return. Otherwise re-execute
-    ``python -m module args`` under ``unshare`` (this call does not return).
+    ``command`` (this program again, e.g. ``[sys.executable, "-m", module, *args]``) under
+    ``unshare``; this call then does not return.
 
     Raises:
         NamespaceError: namespaces are not available here, or the re-executed process still
@@ -92,7 +93,7 @@ def enter_isolated_network(module: str, args: list[str]) -> None:
     if reason:
         raise NamespaceError(f"cannot isolate the gRPC workers' network: {reason}. Run without "
                              "the isolation on a trusted network, or behind a firewall")
-    _reexec([shutil.which("unshare"), *_UNSHARE, "--", sys.executable, "-m", module, *args])
+    _reexec([shutil.which("unshare"), *_UNSHARE, "--", *command])
 
 
 def _reexec(command: list[str]) -> NoReturn:

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from graphfit import models
+from graphfit.baechi import netns
 from graphfit.baechi.cluster import Cluster, ClusterError
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place_and_run import place_and_check, place_item
@@ -53,7 +54,7 @@ def start_workers(spec, tasks, python_code=None):
         command = ([sys.executable, "-c", python_code] if python_code else
                    [sys.executable, "-m", "graphfit.tools.worker"])
         processes.append(subprocess.Popen(
-            [*command, f"--cluster_spec={spec}", f"--task={task}", "--lifetime_s=300"],
+            [*command, f"--cluster_spec={spec}", f"--task={task}", "--lifetime_s=600"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO))
     deadline = time.monotonic() + 180
     for process in processes:
@@ -245,4 +246,61 @@ def test_train_on_a_cluster_spec_then_a_killed_worker_ends_the_run(two_workers, 
     assert "cluster error: worker /job:worker/task:1 at" in text and "not listening" in text
     assert "Traceback" not in text
     assert not (tmp_path / "killed.json").exists()
+    train.stdout.close()
+
+
+def _children(pid):
+    """(pid, command line) of the processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                command = f.read().split("\0")
+        except (OSError, ValueError):
+            continue
+        if ppid == pid:
+            found.append((int(entry), command))
+    return found
+
+
+@pytest.mark.skipif(netns.unavailable_reason() is not None,
+                    reason=f"no user + network namespaces here: {netns.unavailable_reason()}")
+def test_isolated_local_cluster_is_unreachable_and_a_killed_worker_leaves_no_orphan(tmp_path):
+    """train --cluster=grpc --isolated_network: the workers' ports cannot be reached from
+    outside the namespace; a worker killed mid-run ends the run within 60 s with the worker
+    named, and no worker process survives the run."""
+    train = _train("--cluster=grpc", "--num_devices=2", "--isolated_network",
+                   "--steps=1000000", f"--cluster_timeout_s={OPERATION_TIMEOUT_S}",
+                   f"--report_path={tmp_path}/r.json")
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(train.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any("placed on 2 devices" in line for line in lines):
+        assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.2)
+    workers = [(pid, command) for pid, command in _children(train.pid)
+               if "graphfit.tools.worker" in command]
+    assert len(workers) == 2
+    spec = next(a for a in workers[0][1] if a.startswith("--cluster_spec="))
+    for address in spec.split("=", 2)[2].split(","):
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(OSError):  # the namespace's loopback is not this one
+            socket.create_connection((host, int(port)), timeout=2).close()
+    os.kill(workers[1][0], signal.SIGKILL)
+    began = time.monotonic()
+    train.wait(timeout=60)
+    elapsed = time.monotonic() - began
+    reader.join(timeout=5)
+    text = "".join(lines)
+    print(f"isolated train: worker 1 SIGKILL -> exit {train.returncode} after {elapsed:.1f} s")
+    assert train.returncode == 1 and elapsed < 60, text[-3000:]
+    assert "cluster error: worker /job:worker/task:1 at" in text
+    assert "was killed by SIGKILL" in text and "Traceback" not in text
+    time.sleep(1.0)  # workers poll their parent every 0.2 s
+    for pid, _ in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     train.stdout.close()

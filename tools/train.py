@@ -317,7 +317,7 @@ def _isolate_network() -> None:
         raise app.UsageError("--isolated_network is for workers this binary starts itself "
                              "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
     try:
-        enter_isolated_network("graphfit.tools.train", sys.argv[1:])
+        enter_isolated_network([sys.executable, "-m", "graphfit.tools.train", *sys.argv[1:]])
     except NamespaceError as error:
         raise SystemExit(f"--isolated_network: {error}") from error
 
