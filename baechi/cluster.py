@@ -146,9 +146,18 @@ def probe(address: str, timeout_s: float) -> str | None:
     import grpc
 
     channel = grpc.insecure_channel(address)
+    get_status = channel.unary_unary("/tensorflow.WorkerService/GetStatus")
+    deadline = time.monotonic() + timeout_s
     try:
-        channel.unary_unary("/tensorflow.WorkerService/GetStatus")(b"", timeout=timeout_s)
-        return None
+        try:
+            get_status(b"", timeout=timeout_s)
+            return None
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or deadline - time.monotonic() < 1:
+                raise
+            time.sleep(0.5)  # a refused connection is final, a reset may not be: ask again
+            get_status(b"", timeout=deadline - time.monotonic())
+            return None
     except grpc.RpcError as error:
         if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return (f"does not answer within {timeout_s:g} s (the process is stopped, "
@@ -335,7 +344,7 @@ class Cluster:
                     continue
                 fault = self._task_fault(task)
                 if fault and not self._stop.is_set():
-                    self.faults[task] = fault
+                    self.faults.setdefault(task, fault)
                     if self._on_fault:
                         self._on_fault(self._error([task], None))
 
@@ -349,12 +358,14 @@ class Cluster:
     def diagnose(self, error: tf.errors.OpError) -> Exception:
         """The ``ClusterError`` behind ``error`` (a TF error of a session on this cluster):
         which tasks fail their probe now or already failed the watchdog's; ``error`` itself
-        when every task answers."""
-        for task in self.tasks:
-            if task not in self.faults:
-                fault = self._task_fault(task)
+        when every task answers. Probes run in parallel: this takes one probe timeout."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        unchecked = [task for task in self.tasks if task not in self.faults]
+        with ThreadPoolExecutor(max_workers=max(1, len(unchecked))) as pool:
+            for task, fault in zip(unchecked, pool.map(self._task_fault, unchecked)):
                 if fault:
-                    self.faults[task] = fault
+                    self.faults.setdefault(task, fault)
         failed = [task for task in self.tasks if task in self.faults]
         if not failed and isinstance(error, tf.errors.DeadlineExceededError):
             return ClusterError(f"a session call on the cluster took longer than "
@@ -364,10 +375,9 @@ class Cluster:
         return self._error(failed, error) if failed else error
 
     def close(self) -> None:
-        """Stop the watchdog (idempotent)."""
+        """Stop the watchdog (idempotent; a probe under way ends within its timeout, in a
+        daemon thread that reports nothing once stopped)."""
         self._stop.set()
-        if self._watchdog is not None and self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout=self.probe_timeout_s + 1)
         self._watchdog = None
 
     def __enter__(self) -> "Cluster":

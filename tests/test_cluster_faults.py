@@ -21,7 +21,7 @@ import pytest
 
 from graphfit import models
 from graphfit.baechi import netns
-from graphfit.baechi.cluster import Cluster, ClusterError
+from graphfit.baechi.cluster import Cluster, ClusterError, probe
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place_and_run import place_and_check, place_item
 from graphfit.profiler.trace import step_fetches
@@ -84,8 +84,10 @@ class Workers:
         self.processes = [None, None]
 
     def ready(self):
+        addresses = self.spec.split("=", 1)[1].split(",")
         gone = [k for k, p in enumerate(self.processes)
-                if p is None or p.poll() is not None or _stopped(p.pid)]
+                if p is None or p.poll() is not None or _stopped(p.pid)
+                or probe(addresses[k], PROBE_TIMEOUT_S) is not None]
         stop_workers([self.processes[k] for k in gone if self.processes[k] is not None])
         for k, process in zip(gone, start_workers(self.spec, gone)):
             self.processes[k] = process
@@ -93,8 +95,7 @@ class Workers:
 
 
 def _stopped(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    return _state(pid) == "T"
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +204,22 @@ def _train(*flags):
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
 
 
+def _wait_for_placement(train):
+    """Follow ``train``'s stderr (in a thread) until the placer is done and the placement check
+    on the cluster begins; the lines, still growing."""
+    lines = []
+    threading.Thread(target=lambda: lines.extend(train.stderr), daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not any(line.startswith("place: 2 devices (grpc)") for line in lines):
+        assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.05)
+    return lines
+
+
 def test_train_on_a_cluster_spec_then_a_killed_worker_ends_the_run(two_workers, tmp_path):
     """The issue's test: two tools/worker.py processes, a placed step through --cluster_spec
-    only with the single-device loss and gradients; then a worker killed mid-run ends the run
-    with a clear error in under 60 s."""
+    only with the single-device loss and gradients; then a worker killed during the placement
+    check on the cluster ends the run with a clear error in under 60 s."""
     import json
 
     spec, processes = two_workers
@@ -227,23 +240,16 @@ def test_train_on_a_cluster_spec_then_a_killed_worker_ends_the_run(two_workers, 
     train = _train(f"--cluster_spec={spec}", "--steps=1000000",
                    f"--report_path={tmp_path}/killed.json",
                    f"--cluster_timeout_s={OPERATION_TIMEOUT_S}")
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(train.stderr), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
-    while not any("placed on 2 devices" in line for line in lines):
-        assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)  # into the measured steps
+    lines = _wait_for_placement(train)
     processes[1].kill()
     began = time.monotonic()
     train.wait(timeout=60)
     elapsed = time.monotonic() - began
-    reader.join(timeout=5)
     text = "".join(lines)
-    print(f"train: worker 1 SIGKILL mid-run -> exit {train.returncode} after {elapsed:.1f} s")
+    print(f"train: worker 1 SIGKILL in the placement check -> exit {train.returncode} after {elapsed:.1f} s")
     assert train.returncode == 1 and elapsed < 60
     assert "cluster error: worker /job:worker/task:1 at" in text and "not listening" in text
+    assert "did not stop by itself" not in text  # the watchdog's last resort was not needed
     assert "Traceback" not in text
     assert not (tmp_path / "killed.json").exists()
     train.stdout.close()
@@ -269,18 +275,12 @@ def _children(pid):
                     reason=f"no user + network namespaces here: {netns.unavailable_reason()}")
 def test_isolated_local_cluster_is_unreachable_and_a_killed_worker_leaves_no_orphan(tmp_path):
     """train --cluster=grpc --isolated_network: the workers' ports cannot be reached from
-    outside the namespace; a worker killed mid-run ends the run within 60 s with the worker
-    named, and no worker process survives the run."""
+    outside the namespace; a worker killed during the placement check ends the run within 60 s
+    with the worker named, and no worker process survives the run."""
     train = _train("--cluster=grpc", "--num_devices=2", "--isolated_network",
                    "--steps=1000000", f"--cluster_timeout_s={OPERATION_TIMEOUT_S}",
                    f"--report_path={tmp_path}/r.json")
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(train.stderr), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
-    while not any("placed on 2 devices" in line for line in lines):
-        assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-        time.sleep(0.2)
+    lines = _wait_for_placement(train)
     workers = [(pid, command) for pid, command in _children(train.pid)
                if "graphfit.tools.worker" in command]
     assert len(workers) == 2
@@ -293,14 +293,23 @@ def test_isolated_local_cluster_is_unreachable_and_a_killed_worker_leaves_no_orp
     began = time.monotonic()
     train.wait(timeout=60)
     elapsed = time.monotonic() - began
-    reader.join(timeout=5)
+    time.sleep(0.5)
     text = "".join(lines)
     print(f"isolated train: worker 1 SIGKILL -> exit {train.returncode} after {elapsed:.1f} s")
     assert train.returncode == 1 and elapsed < 60, text[-3000:]
     assert "cluster error: worker /job:worker/task:1 at" in text
     assert "was killed by SIGKILL" in text and "Traceback" not in text
+    assert "did not stop by itself" not in text  # the watchdog's last resort was not needed
     time.sleep(1.0)  # workers poll their parent every 0.2 s
-    for pid, _ in workers:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert [pid for pid, _ in workers if _state(pid) not in ("", "Z")] == []
     train.stdout.close()
+
+
+def _state(pid):
+    """The kernel's state letter of ``pid``; ``""`` when gone (``Z``: exited, not yet reaped by
+    init, which happens when the parent was killed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

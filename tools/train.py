@@ -250,19 +250,20 @@ def _cluster():
     return None
 
 
-def _exit_if_stuck(error) -> None:
-    """The watchdog's last resort: a worker failed its probe; session calls return within
-    2 x --cluster_timeout_s, so if this process is still running well after that, something
-    in TF did not honour the timeout: print the diagnosis and exit (workers die with us)."""
+def _exit_if_stuck(cluster, error) -> None:
+    """The watchdog's last resort: a worker failed its probe; the run stops by itself within
+    2 x --cluster_timeout_s + a probe, so if this process still runs well after that, something
+    in TF did not honour the timeout: print the diagnosis, end the workers it started, exit."""
     import os
     import threading
 
     def stuck() -> None:
         print(f"cluster error: {error} (the run did not stop by itself within "
               f"{grace_s:.0f} s; exiting)", file=sys.stderr, flush=True)
+        cluster.close()
         os._exit(1)
 
-    grace_s = 2 * FLAGS.cluster_timeout_s + 15
+    grace_s = 2 * cluster.operation_timeout_s + 2 * cluster.probe_timeout_s + 30
     timer = threading.Timer(grace_s, stuck)
     timer.daemon = True
     timer.start()
@@ -282,7 +283,7 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     cluster = _cluster()
     with cluster if cluster is not None else nullcontext():
         if cluster is not None:
-            cluster.watch(_exit_if_stuck)
+            cluster.watch(lambda error: _exit_if_stuck(cluster, error))
         target = cluster.run_target if cluster is not None else local_target(FLAGS.num_devices)
         placing = len(target.devices) > 1
         report["num_devices"] = len(target.devices)
