@@ -76,8 +76,8 @@ def stop_workers(processes):
 
 
 class Workers:
-    """Two workers on fixed loopback ports; ``ready()`` restarts those a test killed or
-    stopped (one restart per fault instead of two)."""
+    """Two workers on fixed loopback ports; ``ready()`` continues those a test stopped and
+    restarts those that do not answer (at most one restart per fault instead of two)."""
 
     def __init__(self):
         self.spec = "worker=" + ",".join(f"127.0.0.1:{p}" for p in _free_ports(2))
@@ -85,6 +85,9 @@ class Workers:
 
     def ready(self):
         addresses = self.spec.split("=", 1)[1].split(",")
+        for process in self.processes:  # a stopped worker serves again once continued
+            if process is not None and _stopped(process.pid):
+                os.kill(process.pid, signal.SIGCONT)
         gone = [k for k, p in enumerate(self.processes)
                 if p is None or p.poll() is not None or _stopped(p.pid)
                 or probe(addresses[k], PROBE_TIMEOUT_S) is not None]
