@@ -316,3 +316,24 @@ def _state(pid):
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+def test_communication_benchmark_measures_the_links_of_a_cluster_spec(two_workers, tmp_path):
+    import json
+
+    spec, _ = two_workers
+    output = tmp_path / "comm.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "graphfit.tools.communication_benchmark", f"--cluster_spec={spec}",
+         "--max_power=6", "--repeats=3", f"--output={output}"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(output.read_text())
+    ends = ["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"]
+    assert data["transport"] == "cluster" and data["zero_copy"] is False
+    assert [(link["src"], link["dst"]) for link in data["links"]] == [tuple(ends),
+                                                                     tuple(ends[::-1])]
+    assert len(data["measurements"]) == 7
+    assert all(m["src"] == ends[0] and m["dst"] == ends[1] for m in data["measurements"])
+    devices = DeviceSet.from_json(ends, "1GiB", str(output))
+    assert devices.links[0, 1].b_us > 0  # a real gRPC hop costs time
