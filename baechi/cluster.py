@@ -355,18 +355,25 @@ class Cluster:
         faults = "; ".join(f"{task} {self.faults[task]}" for task in tasks)
         return ClusterError(f"{faults}.{said} The run stopped; {_WHAT_TO_DO}")
 
-    def diagnose(self, error: tf.errors.OpError) -> Exception:
-        """The ``ClusterError`` behind ``error`` (a TF error of a session on this cluster):
-        which tasks fail their probe now or already failed the watchdog's; ``error`` itself
-        when every task answers. Probes run in parallel: this takes one probe timeout."""
+    def failing(self) -> list[Task]:
+        """The tasks that fail a probe now (all probed in parallel: one probe timeout). A task
+        keeps the first description of its fault; one that answers again is forgiven."""
         from concurrent.futures import ThreadPoolExecutor
 
-        unchecked = [task for task in self.tasks if task not in self.faults]
-        with ThreadPoolExecutor(max_workers=max(1, len(unchecked))) as pool:
-            for task, fault in zip(unchecked, pool.map(self._task_fault, unchecked)):
-                if fault:
-                    self.faults.setdefault(task, fault)
-        failed = [task for task in self.tasks if task in self.faults]
+        with ThreadPoolExecutor(max_workers=len(self.tasks)) as pool:
+            now = dict(zip(self.tasks, pool.map(self._task_fault, self.tasks)))
+        for task, fault in now.items():
+            if fault:
+                self.faults.setdefault(task, fault)
+            else:
+                self.faults.pop(task, None)
+        return [task for task in self.tasks if now[task]]
+
+    def diagnose(self, error: tf.errors.OpError) -> Exception:
+        """The ``ClusterError`` behind ``error`` (a TF error of a session on this cluster):
+        which tasks fail their probe now; ``error`` itself when every task answers and the
+        error is not a timeout."""
+        failed = self.failing()
         if not failed and isinstance(error, tf.errors.DeadlineExceededError):
             return ClusterError(f"a session call on the cluster took longer than "
                                 f"operation_timeout_s={self.operation_timeout_s:g} s although "
