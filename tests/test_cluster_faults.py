@@ -124,11 +124,10 @@ def _cluster(spec):
 def _placed_mlp(target):
     item = models.build("mlp", preset="tiny")
     devices = DeviceSet.uniform(list(target.devices), "1GiB", "0.0001754,134")
-    placed, placement = place_item(item, devices, method="m_etf")
-    return item, devices, placed
+    return place_item(item, devices, method="m_etf")[0]
 
 
-def _assert_names(error, processes, victim, what):
+def _assert_names(error, victim, what):
     text = str(error)
     assert f"/job:worker/task:{victim}" in text, text
     assert what in text and "run again" in text, text
@@ -142,7 +141,7 @@ def test_fault_mid_run_is_a_cluster_error_in_bounded_time(two_workers, victim, s
     spec, processes = two_workers
     with _cluster(spec) as cluster:
         target = cluster.run_target
-        _, _, placed = _placed_mlp(target)
+        placed = _placed_mlp(target)
         fetches = step_fetches(placed)
         with pytest.raises(ClusterError) as caught:
             with target.session(placed.graph) as session:
@@ -157,7 +156,7 @@ def test_fault_mid_run_is_a_cluster_error_in_bounded_time(two_workers, victim, s
     elapsed = time.monotonic() - began
     print(f"{sig} task {victim} mid-run: ClusterError after {elapsed:.1f} s")
     assert elapsed < BOUND_S
-    _assert_names(caught.value, processes, victim,
+    _assert_names(caught.value, victim,
                   "not listening" if sig == "SIGKILL" else "does not answer")
 
 
@@ -175,7 +174,7 @@ def test_fault_during_placement_check_is_a_cluster_error(two_workers, victim, si
     elapsed = time.monotonic() - began
     print(f"{sig} task {victim} during the placement check: ClusterError after {elapsed:.1f} s")
     assert elapsed < BOUND_S
-    _assert_names(caught.value, processes, victim,
+    _assert_names(caught.value, victim,
                   "not listening" if sig == "SIGKILL" else "does not answer")
 
 
