@@ -76,7 +76,7 @@ flags.DEFINE_string("cluster_spec", None, "Run on running tools/worker.py worker
                     "job=host:port,host:port (e.g. worker=h1:2222,h2:2222) or a JSON file "
                     "{\"worker\": [...]}; the step is placed over every device of every worker "
                     "(--num_devices and --cluster are not used).")
-flags.DEFINE_float("cluster_timeout_s", 30.0, "On a gRPC cluster: bound on every session call "
+flags.DEFINE_float("cluster_timeout_s", 20.0, "On a gRPC cluster: bound on every session call "
                    "(a step, a traced step, a close); a worker that is killed, stopped or "
                    "missing ends the run with an error within about twice this.",
                    lower_bound=1.0)
