@@ -5,10 +5,11 @@ Where a placed graph runs (DESIGN.md §6):
 - ``local_target(n)``: one process; ``/GPU:i`` when TensorFlow sees ``n`` GPUs, else ``n``
   virtual CPU devices ``/device:CPU:i``. Virtual CPU devices share one allocator and thread pool and
   pass tensors zero-copy: right for correctness and per-device memory accounting, not for speed.
-- ``LocalCluster(n)``: ``n`` ``tf.distribute.Server`` workers in separate processes on
-  loopback ports, a v1 session on ``grpc://127.0.0.1:port``, ops pinned to
-  ``/job:worker/task:k/device:CPU:0``. Transfers are real and memory is per process. Workers
-  live at most ``lifetime_s`` and exit when the process that started them dies.
+- a TF gRPC cluster (``baechi.cluster``: ``Cluster(spec)`` for workers started with
+  ``tools/worker.py``, ``LocalCluster(n)`` for ``n`` such workers on loopback ports): a v1
+  session on ``grpc://`` task 0, ops pinned to ``/job:worker/task:k/device:...``. Transfers are
+  real and memory is per process. Every session on a cluster has an operation timeout, and its
+  TF errors are turned into the cluster's diagnosis (``RunTarget.diagnose``).
 
 Checks:
 
@@ -23,19 +24,9 @@ Checks:
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import json
-import os
-import select
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Mapping, Sequence
-from typing import IO
+from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -45,17 +36,12 @@ from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.trace import profile_graph, step_fetches
 
-__all__ = ["ClusterError", "DeviceMismatchError", "LocalCluster", "MemoryLimitError",
-           "PLACEMENT_RTOL", "PlacedRun", "RunTarget", "local_target", "measure_placed_run"]
+__all__ = ["DeviceMismatchError", "MemoryLimitError", "PLACEMENT_RTOL", "PlacedRun", "RunTarget",
+           "local_target", "measure_placed_run"]
 
-WORKER_JOB = "worker"
 # Relative tolerance of a placed step against the single-device step: devices may sum in
 # another order.
 PLACEMENT_RTOL = 1e-4
-
-
-class ClusterError(RuntimeError):
-    """A local gRPC worker did not start or died."""
 
 
 class DeviceMismatchError(RuntimeError):
@@ -75,19 +61,53 @@ class RunTarget:
         kind: ``"virtual_cpu"``, ``"gpu"`` or ``"grpc"``.
         target: the session target (``""`` in process, ``grpc://...`` on a cluster).
         num_cpu_devices: CPU devices of the in-process session.
+        operation_timeout_ms: bound on every call of a session on a remote target (0: none).
+        diagnose: a TF error of such a session -> the exception to raise instead (a cluster's
+            ``ClusterError`` naming the worker at fault).
     """
 
     devices: tuple[str, ...]
     kind: str
     target: str = ""
     num_cpu_devices: int = 1
+    operation_timeout_ms: int = 0
+    diagnose: Callable[[tf.errors.OpError], Exception] | None = dataclasses.field(
+        default=None, compare=False, repr=False)
 
     def session(self, graph: tf.Graph) -> tf.compat.v1.Session:
         """A session on ``graph`` with the project's config (``profiler.session``); on a
-        cluster each session gets its own variables."""
+        cluster each session gets its own variables, the operation timeout and ``diagnose``."""
         config = session_config(self.num_cpu_devices)
         config.isolate_session_state = bool(self.target)
-        return tf.compat.v1.Session(target=self.target, graph=graph, config=config)
+        config.operation_timeout_in_ms = self.operation_timeout_ms
+        if self.diagnose is None:
+            return tf.compat.v1.Session(target=self.target, graph=graph, config=config)
+        return _DiagnosedSession(self.diagnose, target=self.target, graph=graph, config=config)
+
+
+class _DiagnosedSession(tf.compat.v1.Session):
+    """A session whose TF errors go through ``diagnose`` (the cluster names the worker)."""
+
+    def __init__(self, diagnose: Callable[[tf.errors.OpError], Exception], **kwargs):
+        super().__init__(**kwargs)
+        self._diagnose = diagnose
+        self._failed = False
+
+    def run(self, *args, **kwargs):
+        try:
+            return super().run(*args, **kwargs)
+        except tf.errors.OpError as error:
+            self._failed = True
+            raise self._diagnose(error) from error
+
+    def close(self) -> None:
+        """Close (bounded by the operation timeout); after a failed run, the close's own
+        error (the same dead worker) is dropped: the run's error was already raised."""
+        try:
+            super().close()
+        except tf.errors.OpError as error:
+            if not self._failed:
+                raise self._diagnose(error) from error
 
 
 def local_target(num_devices: int) -> RunTarget:
@@ -102,138 +122,6 @@ def local_target(num_devices: int) -> RunTarget:
     if names[0].startswith("/GPU:"):
         return RunTarget(names, "gpu")
     return RunTarget(names, "virtual_cpu", num_cpu_devices=num_devices)
-
-
-def _free_loopback_ports(count: int) -> list[int]:
-    """``count`` distinct free ports on 127.0.0.1 (sockets held open until all are chosen)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _serve_worker(cluster_json: str, task_index: int, lifetime_s: float, parent_pid: int) -> None:
-    """Body of a worker process: serve until the lifetime ends or the parent is gone."""
-    server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(cluster_json)),
-                                  job_name=WORKER_JOB, task_index=task_index,
-                                  config=session_config(1), start=True)
-    print(f"ready {server.target}", flush=True)
-    deadline = time.monotonic() + lifetime_s
-    while time.monotonic() < deadline and os.getppid() == parent_pid:
-        time.sleep(0.2)
-    os._exit(0)
-
-
-class LocalCluster:
-    """``num_workers`` TF gRPC workers on loopback ports, each in its own process.
-
-    Use as a context manager; ``run_target`` is where placed graphs run. The workers are
-    terminated on ``close()`` (also at interpreter exit), and exit by themselves after
-    ``lifetime_s`` or when this process dies. TF's server listens on every interface
-    (hard-coded ``0.0.0.0``); the cluster only ever addresses ``127.0.0.1``.
-
-    Parameters:
-        num_workers: worker processes (tasks ``0..num_workers-1`` of job ``worker``).
-        lifetime_s: upper bound on a worker's life.
-        startup_timeout_s: how long to wait for every worker to report it is serving.
-
-    Raises:
-        ClusterError: a worker exited or did not report ready in time (its log is quoted).
-    """
-
-    def __init__(self, num_workers: int, lifetime_s: float = 900.0,
-                 startup_timeout_s: float = 60.0):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
-        self.num_workers = num_workers
-        self.lifetime_s = lifetime_s
-        self.startup_timeout_s = startup_timeout_s
-        self.addresses: list[str] = []
-        self._processes: list[subprocess.Popen] = []
-        self._logs: list[IO[bytes]] = []
-
-    @property
-    def run_target(self) -> RunTarget:
-        """Devices ``/job:worker/task:k/device:CPU:0`` and the session target of task 0."""
-        if not self._processes:
-            raise ClusterError("the cluster is not started (use it as a context manager)")
-        return RunTarget(
-            tuple(f"/job:{WORKER_JOB}/task:{k}/device:CPU:0" for k in range(self.num_workers)),
-            "grpc", target=f"grpc://{self.addresses[0]}")
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Process ids of the running workers."""
-        return [p.pid for p in self._processes]
-
-    def start(self) -> "LocalCluster":
-        """Start the workers and wait until each serves."""
-        self.addresses = [f"127.0.0.1:{p}" for p in _free_loopback_ports(self.num_workers)]
-        cluster_json = json.dumps({WORKER_JOB: self.addresses})
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
-        atexit.register(self.close)
-        for k in range(self.num_workers):
-            log = tempfile.NamedTemporaryFile(prefix=f"baechi_worker{k}_", suffix=".log")
-            code = (f"from baechi.run import _serve_worker; _serve_worker({cluster_json!r}, "
-                    f"{k}, {self.lifetime_s!r}, {os.getpid()})")
-            self._logs.append(log)
-            self._processes.append(subprocess.Popen(
-                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, env=env,
-                text=True))
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        for k, process in enumerate(self._processes):
-            while True:
-                remaining = deadline - time.monotonic()
-                ready, _, _ = select.select([process.stdout], [], [], max(0.0, remaining))
-                line = process.stdout.readline() if ready else ""
-                if line.startswith("ready"):
-                    break
-                if process.poll() is not None or remaining <= 0:
-                    self._logs[k].seek(0)
-                    tail = self._logs[k].read().decode(errors="replace")[-2000:]
-                    state = (f"exited with code {process.returncode}"
-                             if process.poll() is not None
-                             else f"not ready after {self.startup_timeout_s:.0f} s")
-                    raise ClusterError(f"gRPC worker {k} ({self.addresses[k]}) {state}; "
-                                       f"its log ends with:\n{tail}")
-
-    def close(self) -> None:
-        """Terminate the workers (idempotent)."""
-        for process in self._processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self._processes:
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            if process.stdout:
-                process.stdout.close()
-        for log in self._logs:
-            log.close()
-        self._processes, self._logs = [], []
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> "LocalCluster":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @dataclasses.dataclass
@@ -329,7 +217,8 @@ def measure_placed_run(placed: GraphItem, run_target: RunTarget,
     """
     profile = profile_graph(placed, steps=steps, warmup=warmup, trace_every=trace_every,
                             num_cpu_devices=run_target.num_cpu_devices,
-                            target=run_target.target, progress=None)
+                            target=run_target.target, progress=None,
+                            session_factory=run_target.session)
     canonical = {tf.DeviceSpec.from_string(d).to_string(): d for d in run_target.devices}
     used = {canonical.get(tf.DeviceSpec.from_string(op.device).to_string(), op.device)
             for op in step_operations(placed.graph, step_fetches(placed)) if op.device}

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -206,7 +207,9 @@ def profile_from_run_metadata(graph: tf.Graph, runs: list[tf.compat.v1.RunMetada
 
 def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every: int = 2,
                   num_cpu_devices: int = 1, target: str = "",
-                  progress: bool | None = True) -> Profile:
+                  progress: bool | None = True,
+                  session_factory: Callable[[tf.Graph], tf.compat.v1.Session] | None = None
+                  ) -> Profile:
     """Run ``item``'s training step and measure it.
 
     Args:
@@ -217,6 +220,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         target: a ``grpc://`` address to profile on a TF cluster, or local.
         progress: a progress bar over the steps on a terminal (never in logs); ``None`` or
             ``False`` for none.
+        session_factory: graph -> the session to run in (e.g. ``baechi.run.RunTarget.session``,
+            which bounds and diagnoses calls on a cluster); default ``make_session``.
 
     Returns:
         The profile; its ``coverage`` is the fraction of the step's ops measured.
@@ -228,7 +233,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     op_names = {op.name for op in step_ops}
     runs, step_times, allocator_peaks = [], [], []
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    with make_session(item.graph, num_cpu_devices, target) as session:
+    session_factory = session_factory or (lambda g: make_session(g, num_cpu_devices, target))
+    with session_factory(item.graph) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
         for k in progress_bar(range(warmup + steps), f"profile {item.name or 'graph'}",

@@ -16,7 +16,8 @@ from graphfit.baechi.apply import ColocationError, apply_placement, enforced_col
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place import place
 from graphfit.baechi.place_and_run import place_and_check
-from graphfit.baechi.run import (PLACEMENT_RTOL, LocalCluster, MemoryLimitError, local_target,
+from graphfit.baechi.cluster import LocalCluster
+from graphfit.baechi.run import (PLACEMENT_RTOL, MemoryLimitError, local_target,
                         measure_placed_run)
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.step_compare import compare_steps
@@ -155,7 +156,7 @@ def test_outside_step_ops_follow_their_variable():
 @pytest.mark.grpc
 def test_two_grpc_workers_run_tiny_mlp():
     item = models.build("mlp", preset="tiny")
-    with LocalCluster(2, lifetime_s=120, startup_timeout_s=60) as cluster:
+    with LocalCluster(2, lifetime_s=300, startup_timeout_s=180) as cluster:
         target = cluster.run_target
         op_devices = _placer_devices(item, target.devices, method="m_sct")
         placed = apply_placement(item, op_devices)

@@ -9,6 +9,10 @@ model). Transports (``--transport``):
 - ``gpu``: ``/GPU:0`` -> ``/GPU:1`` in this process (needs two GPUs; the default with them).
 - ``virtual``: two virtual CPU devices of this process. They pass tensors zero-copy, so what is
   measured is the executor's per-edge overhead; the JSON says ``"zero_copy": true``.
+- ``--cluster_spec=worker=h1:p1,h2:p2`` (or a JSON file): the workers of a running cluster
+  (``tools/worker.py`` on each machine); every pair of tasks is measured (between their first
+  devices) and gets its own fitted link, both directions, and ``default`` is the fit over all
+  pairs. Every session call is bounded (``baechi.cluster``).
 
 Method: per size, a variable on the source device is read and sent along a chain of
 ``--hops`` ``Identity`` ops alternating between the two devices (each hop is one transfer, both
@@ -59,6 +63,9 @@ _HOPS = flags.DEFINE_integer("hops", 4, "Transfers per timed run (a chain altern
 _TRANSPORT = flags.DEFINE_enum("transport", None, ["grpc", "gpu", "virtual"],
                                "Devices to measure between; default: gpu with two GPUs, "
                                "else grpc.")
+_CLUSTER_SPEC = flags.DEFINE_string("cluster_spec", None, "Measure the links between the "
+                                    "tasks of this running cluster: job=host:port,host:port or "
+                                    "a JSON file (instead of --transport).")
 
 _CONTENTION_POWER = flags.DEFINE_integer(
     "contention_power", 20, "Concurrent-transfer test: tensors of 2^contention_power float32 "
@@ -233,56 +240,88 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     import tensorflow as tf
 
+    from graphfit.baechi.cluster import Cluster, ClusterError, LocalCluster
     from graphfit.baechi.devices import LinkCost
-    from graphfit.baechi.run import LocalCluster, RunTarget
+    from graphfit.baechi.run import RunTarget
     from graphfit.profiler.profile import atomic_write_json
     from graphfit.profiler.trace import print_progress
 
     num_gpus = len(tf.config.list_physical_devices("GPU"))
-    transport = _TRANSPORT.value or ("gpu" if num_gpus >= 2 else "grpc")
+    if _CLUSTER_SPEC.value is not None and _TRANSPORT.value is not None:
+        raise app.UsageError("give --cluster_spec or --transport, not both")
+    transport = ("cluster" if _CLUSTER_SPEC.value is not None
+                 else _TRANSPORT.value or ("gpu" if num_gpus >= 2 else "grpc"))
     if transport == "gpu" and num_gpus < 2:
         raise app.UsageError(f"--transport=gpu needs two GPUs; TF sees {num_gpus}. "
                              "Use --transport=grpc or --transport=virtual.")
     began = time.perf_counter()
-    cluster = LocalCluster(3, startup_timeout_s=300) if transport == "grpc" else nullcontext()
-    with cluster:
-        if transport == "grpc":
-            target = cluster.run_target
-            print_progress(f"started 3 gRPC workers at {', '.join(cluster.addresses)}")
-        elif transport == "gpu":
-            target = RunTarget(tuple(f"/GPU:{k}" for k in range(min(num_gpus, 3))), "gpu")
-        else:
-            target = RunTarget(tuple(f"/device:CPU:{k}" for k in range(3)), "virtual_cpu",
-                               num_cpu_devices=3)
-        src, dst = target.devices[:2]
-        powers = list(range(_MAX_POWER.value + 1))
-        graph, init, fetches = transfer_graph(src, dst, powers, _HOPS.value)
-        with target.session(graph) as session:
-            session.run(init)
-            records = measure_transfers(session, fetches, _REPEATS.value, _HOPS.value,
-                                        print_progress)
-        contention = {"measured": False, "reason": "needs a third device"}
-        if len(target.devices) >= 3:
-            graph, init, baseline, one, both = contention_graph(
-                src, list(target.devices[1:3]), _CONTENTION_POWER.value, _HOPS.value)
-            with target.session(graph) as session:
-                session.run(init)
-                contention = {"measured": True, "bytes": ELEMENT_BYTES * 2 **
-                              _CONTENTION_POWER.value,
-                              **measure_contention(session, baseline, one, both,
-                                                   _REPEATS.value, _HOPS.value)}
-            print_progress(f"one transfer {contention['single_us']:.1f} us, two at once "
-                           f"{contention['two_concurrent_us']:.1f} us per hop (x"
-                           f"{contention['ratio']:.2f}): {contention['link_model']} links")
+    if transport == "cluster":
+        try:
+            cluster = Cluster(_CLUSTER_SPEC.value)
+        except ValueError as error:
+            raise app.UsageError(f"--cluster_spec: {error}") from error
+    else:
+        # Three local devices: one pair to fit the link, a third for the contention test.
+        cluster = LocalCluster(3, startup_timeout_s=300) if transport == "grpc" else nullcontext()
+    powers = list(range(_MAX_POWER.value + 1))
+    pairs = []
+    contention = {"measured": False, "reason": "needs a third device"}
+    try:
+        with cluster:
+            if transport in ("grpc", "cluster"):
+                target = cluster.run_target
+                print_progress(f"{len(cluster.tasks)} gRPC workers at "
+                               f"{', '.join(t.address for t in cluster.tasks)}")
+                ends = [next(d for d in target.devices if d.startswith(task.name + "/"))
+                        for task in cluster.tasks]
+                if len(ends) < 2:
+                    raise app.UsageError("--cluster_spec: a link needs two tasks; the spec has "
+                                         "one")
+            elif transport == "gpu":
+                target = RunTarget(tuple(f"/GPU:{k}" for k in range(min(num_gpus, 3))), "gpu")
+                ends = list(target.devices)
+            else:
+                target = RunTarget(tuple(f"/device:CPU:{k}" for k in range(3)), "virtual_cpu",
+                                   num_cpu_devices=3)
+                ends = list(target.devices)
+            # A given cluster: every pair of tasks; a local transport: one pair stands for all.
+            measured_ends = ends if transport == "cluster" else ends[:2]
+            for i, src in enumerate(measured_ends):
+                for dst in measured_ends[i + 1:]:
+                    graph, init, fetches = transfer_graph(src, dst, powers, _HOPS.value)
+                    with target.session(graph) as session:
+                        session.run(init)
+                        print_progress(f"{src} <-> {dst}")
+                        records = measure_transfers(session, fetches, _REPEATS.value,
+                                                    _HOPS.value, print_progress)
+                    pairs.append((src, dst, [{"src": src, "dst": dst, **r} for r in records]))
+            if len(ends) >= 3:
+                graph, init, baseline, one, both = contention_graph(
+                    ends[0], ends[1:3], _CONTENTION_POWER.value, _HOPS.value)
+                with target.session(graph) as session:
+                    session.run(init)
+                    contention = {"measured": True,
+                                  "bytes": ELEMENT_BYTES * 2 ** _CONTENTION_POWER.value,
+                                  **measure_contention(session, baseline, one, both,
+                                                       _REPEATS.value, _HOPS.value)}
+                print_progress(f"one transfer {contention['single_us']:.1f} us, two at once "
+                               f"{contention['two_concurrent_us']:.1f} us per hop (x"
+                               f"{contention['ratio']:.2f}): {contention['link_model']} links")
+    except ClusterError as error:
+        raise SystemExit(f"cluster error: {error}") from error
+    links = []
+    for src, dst, records in pairs:
+        link = LinkCost(*fit_relative(np.array([r["bytes"] for r in records]),
+                                      np.array([r["transfer_us"] for r in records]))).to_json()
+        links += [{"src": src, "dst": dst, **link}, {"src": dst, "dst": src, **link}]
+    records = [r for _, _, pair_records in pairs for r in pair_records]
     a, b = fit_relative(np.array([r["bytes"] for r in records]),
                         np.array([r["transfer_us"] for r in records]))
-    link = LinkCost(a, b).to_json()
     zero_copy = transport == "virtual"
     result = {
-        "default": link,
+        "default": LinkCost(a, b).to_json(), "links": links,
         **({"link_model": contention["link_model"]} if contention["measured"] else {}),
         "contention": contention,
-        "links": [{"src": src, "dst": dst, **link}, {"src": dst, "dst": src, **link}],
         "transport": transport, "zero_copy": zero_copy,
         "fit": "non-negative least squares on relative error (rows weighted 1/measured)",
         "hops": _HOPS.value, "repeats": _REPEATS.value, "measurements": records,
@@ -290,7 +329,7 @@ def main(argv: list[str]) -> None:
     }
     atomic_write_json(_OUTPUT.value, result)
     _plot(os.path.splitext(_OUTPUT.value)[0] + ".png", records, a, b,
-          f"{transport}: {src} <-> {dst}")
+          f"{transport}: " + ", ".join(f"{src} <-> {dst}" for src, dst, _ in pairs))
     print(f"{'bytes':>12s} {'transfer us':>12s} {'fit us':>12s}")
     for r in records:
         print(f"{r['bytes']:12d} {r['transfer_us']:12.1f} {a * r['bytes'] + b:12.1f}")

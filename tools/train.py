@@ -12,6 +12,13 @@ measured peak and overhead. With ``--num_devices`` > 1 the step is placed (Baech
 ``--placer_type``, ``--grouper``, memory and communication flags), applied, checked against the
 single-device step and run on the devices (``--cluster``: this process or local gRPC workers); the
 report compares the planned makespan and per-device peaks with the measured ones.
+
+On several machines, start ``tools/worker.py`` on each and give their addresses: the step is
+placed over every device of every worker and runs there (``baechi.cluster``: every call is
+bounded by ``--cluster_timeout_s``; a missing, killed or stopped worker ends the run with a
+``ClusterError`` naming it):
+
+    python -m graphfit.tools.train --model_name=mlp --cluster_spec=worker=h1:2222,h2:2222
 """
 
 from __future__ import annotations
@@ -76,6 +83,17 @@ flags.DEFINE_string("report_dir", None, "Also write a report a person reads into
                     "directory: the JSON, memory per device planned vs measured, the placement "
                     "as a Gantt chart, the remat plan, the schedule as a Chrome trace, "
                     "summary.md.")
+flags.DEFINE_string("cluster_spec", None, "Run on running tools/worker.py workers: "
+                    "job=host:port,host:port (e.g. worker=h1:2222,h2:2222) or a JSON file "
+                    "{\"worker\": [...]}; the step is placed over every device of every worker "
+                    "(--num_devices and --cluster are not used).")
+flags.DEFINE_float("cluster_timeout_s", 20.0, "On a gRPC cluster: bound on every session call "
+                   "(a step, a traced step, a close); a worker that is killed, stopped or "
+                   "missing ends the run with an error within about twice this.",
+                   lower_bound=1.0)
+flags.DEFINE_boolean("isolated_network", False, "With --cluster=grpc: run the client and its "
+                     "workers in a private network namespace that has only loopback (unshare "
+                     "--user --net), so no other host can reach the workers' ports.")
 
 
 def _model_kwargs() -> dict:
@@ -98,17 +116,18 @@ def _model_kwargs() -> dict:
     return kwargs
 
 
-def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "") -> dict:
+def run_steps(item, steps: int, warmup: int, session_factory=None) -> dict:
     """Run the step ``warmup + steps`` times; median step time, final loss and the peak bytes:
     the allocator's high-water mark over the measured steps (CPU:0's allocator is shared by all
-    virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers'), or, if
+    virtual CPU devices; on a gRPC cluster it is this client's, not the workers'), or, if
     the allocator keeps no statistics (``profiler.trace.AllocatorPeak``), the peak replayed
-    from the allocation records of one more, traced step."""
+    from the allocation records of one more, traced step.
+    ``session_factory``: graph -> session (a ``RunTarget.session``); default one device."""
     from graphfit.profiler.session import make_session
     from graphfit.profiler.trace import AllocatorPeak, step_fetches, traced_peak_bytes
 
     times_ms, losses = [], []
-    with make_session(item.graph, num_cpu_devices, target) as session:
+    with (session_factory or make_session)(item.graph) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
         fetches = step_fetches(item)[:2]
@@ -262,12 +281,50 @@ def _profile(item, report: dict):
         report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
                              "profiled_peak_bytes": profile.peak_bytes}
         return profile
-    if FLAGS["cost_path"].present and FLAGS.num_devices > 1:
+    if FLAGS["cost_path"].present and (FLAGS.num_devices > 1 or FLAGS.cluster_spec):
         try:
             return Profile.load(FLAGS.cost_path, item.graph_def())
         except (OSError, ValueError) as error:
             raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
     return None
+
+
+def _cluster():
+    """The gRPC cluster the flags ask for (``None``: run in this process)."""
+    from graphfit.baechi.cluster import Cluster, LocalCluster
+
+    if FLAGS.cluster_spec is not None:
+        if FLAGS["num_devices"].present or FLAGS["cluster"].present:
+            raise app.UsageError("--cluster_spec places over every device of its workers: "
+                                 "leave out --num_devices and --cluster")
+        try:
+            return Cluster(FLAGS.cluster_spec, operation_timeout_s=FLAGS.cluster_timeout_s)
+        except ValueError as error:
+            raise app.UsageError(f"--cluster_spec: {error}") from error
+    if FLAGS.num_devices > 1 and FLAGS.cluster == "grpc":
+        return LocalCluster(FLAGS.num_devices, operation_timeout_s=FLAGS.cluster_timeout_s)
+    return None
+
+
+def _exit_if_stuck(cluster, error) -> None:
+    """The watchdog's last resort: a worker failed its probe; the run stops by itself within
+    2 x --cluster_timeout_s + a probe, so if this process still runs well after that, something
+    in TF did not honour the timeout: print the diagnosis, end the workers it started, exit."""
+    import os
+    import threading
+
+    def stuck() -> None:
+        if not cluster.failing():
+            return  # the worker answers again: a slow probe, not a fault
+        print(f"cluster error: {error} (the run did not stop by itself within "
+              f"{grace_s:.0f} s; exiting)", file=sys.stderr, flush=True)
+        cluster.close()
+        os._exit(1)
+
+    grace_s = 2 * cluster.operation_timeout_s + 2 * cluster.probe_timeout_s + 30
+    timer = threading.Timer(grace_s, stuck)
+    timer.daemon = True
+    timer.start()
 
 
 def _optimize_and_run(item, profile, report: dict) -> dict:
@@ -277,20 +334,30 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     from graphfit.baechi import optimize
     from graphfit.baechi.joint import fit_devices
     from graphfit.baechi.lp import LPSolverError
-    from graphfit.baechi.run import LocalCluster, local_target
+    from graphfit.baechi.run import local_target
     from graphfit.baechi.schedule import PlacementError
     from graphfit.profiler.trace import print_progress
     from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
-    placing = FLAGS.num_devices > 1
-    if FLAGS.joint and (not placing or budget["memory_budget"] or budget["memory_ratio"]):
+    if FLAGS.joint and (budget["memory_budget"] or budget["memory_ratio"]):
         raise app.UsageError("--joint searches the remat budget itself over --num_devices > 1 "
                              "devices: give --num_devices and --device_memory, not "
                              "--memory_budget or --memory_ratio")
-    grpc = placing and FLAGS.cluster == "grpc"
-    with LocalCluster(FLAGS.num_devices) if grpc else nullcontext() as cluster:
-        target = cluster.run_target if grpc else local_target(FLAGS.num_devices)
+    cluster = _cluster()
+    with cluster if cluster is not None else nullcontext():
+        if cluster is not None:
+            cluster.watch(lambda error: _exit_if_stuck(cluster, error))
+        target = cluster.run_target if cluster is not None else local_target(FLAGS.num_devices)
+        placing = len(target.devices) > 1
+        if FLAGS.joint and not placing:
+            raise app.UsageError("--joint places over several devices: give --num_devices > 1 "
+                                 "or a --cluster_spec with more than one device")
+        report["num_devices"] = len(target.devices)
+        if cluster is not None:
+            report["cluster"] = {"spec": cluster.spec, "devices": list(target.devices),
+                                 "operation_timeout_s": cluster.operation_timeout_s,
+                                 "workers": cluster.worker_info}
         devices = _device_set(list(target.devices)) if placing else None
         try:
             if FLAGS.joint:
@@ -309,16 +376,31 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
             single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
             report["joint" if FLAGS.joint else "place"]["single_device_step_time_ms_median"] = \
                 single
-        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
-                        target.target)
+        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session)
     if placing:  # the shared allocator cannot tell devices apart: report the worst device
         run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
     return run, result
 
 
+def _isolate_network() -> None:
+    """--isolated_network: re-execute this binary in a loopback-only network namespace."""
+    from graphfit.baechi.netns import NamespaceError, enter_isolated_network
+
+    if FLAGS.cluster_spec is not None or FLAGS.cluster != "grpc":
+        raise app.UsageError("--isolated_network is for workers this binary starts itself "
+                             "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
+    try:
+        enter_isolated_network([sys.executable, "-m", "graphfit.tools.train", *sys.argv[1:]])
+    except NamespaceError as error:
+        raise SystemExit(f"--isolated_network: {error}") from error
+
+
 def main(argv):
     del argv
+    if FLAGS.isolated_network:
+        _isolate_network()
     from graphfit import models
+    from graphfit.baechi.cluster import ClusterError
     from graphfit.profiler.profile import atomic_write_json
     from graphfit.profiler.trace import print_progress
 
@@ -332,7 +414,10 @@ def main(argv):
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
               "graph_ops": num_ops, "num_devices": FLAGS.num_devices}
     profile = _profile(item, report)
-    result, optimized = _optimize_and_run(item, profile, report)
+    try:
+        result, optimized = _optimize_and_run(item, profile, report)
+    except ClusterError as error:
+        raise SystemExit(f"cluster error: {error}") from error
     report["run"] = result
     atomic_write_json(FLAGS.report_path, report)
     if FLAGS.report_dir:

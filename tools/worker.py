@@ -1,0 +1,95 @@
+"""One TF gRPC worker of a cluster spec, for ``train --cluster_spec`` (and its own tests).
+
+    python -m graphfit.tools.worker --cluster_spec=worker=h1:2222,h2:2222 --task=0 \\
+        --lifetime_s=3600
+
+Starts a ``tf.distribute.Server`` for task ``--task`` of job ``--job`` with ``--cpu_devices``
+CPU devices (and the machine's GPUs), publishes its TensorFlow version for the client's
+handshake (``baechi.cluster``), prints ``ready ...`` on stdout, and serves until
+``--lifetime_s`` has passed or the process ``--parent_pid`` is gone. It then exits by itself.
+
+TF 2.21's server listens on ``0.0.0.0:<port>`` (every interface; ``grpc_server_lib.cc``
+hard-codes it) and has no authentication: whoever reaches the port can run any TF op in this
+process. The binary says so on stderr when it starts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import app, flags
+
+_CLUSTER_SPEC = flags.DEFINE_string(
+    "cluster_spec", None, "The whole cluster: job=host:port,host:port (e.g. "
+    "worker=h1:2222,h2:2222) or a JSON file {\"worker\": [\"h1:2222\", ...]}.")
+_JOB = flags.DEFINE_string("job", "worker", "This worker's job in the cluster spec.")
+_TASK = flags.DEFINE_integer("task", None, "This worker's task index in its job.",
+                             lower_bound=0)
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices of this worker (TF virtual "
+                                    "devices; the placer places over each).", lower_bound=1)
+_LIFETIME_S = flags.DEFINE_float("lifetime_s", 3600.0, "Exit after this many seconds.",
+                                 lower_bound=1.0)
+_PARENT_PID = flags.DEFINE_integer("parent_pid", None, "Also exit when this process (the one "
+                                   "that started the worker) is gone.", lower_bound=1)
+flags.mark_flags_as_required(["cluster_spec", "task"])
+
+
+def exposure_warning(port: str, lifetime_s: float, parent_pid: int | None,
+                     isolated: bool) -> str:
+    """What this worker exposes and for how long, and how to keep it safe."""
+    import getpass
+
+    ends = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + lifetime_s))
+    parent = f", or as soon as process {parent_pid} exits" if parent_pid else ""
+    where = ("This process is in a network namespace whose only interface is loopback: the "
+             "port is reachable from inside that namespace only." if isolated else
+             "Run it only on a trusted network, let a firewall drop the port for every host but "
+             f"the client's (e.g. `iptables -A INPUT -p tcp --dport {port} ! -s CLIENT_IP -j "
+             "DROP`), or, on one machine, use `train --cluster=grpc --isolated_network` (workers "
+             "and client in a private network namespace with loopback only).")
+    return (f"WARNING: TensorFlow's gRPC server listens on 0.0.0.0:{port} (every network "
+            "interface; TF 2.21 cannot bind one address) and has no authentication: anyone who "
+            f"can connect to port {port} can run any TensorFlow op in this process (read and "
+            f"write files, run programs) as user {getpass.getuser()}. This worker exits by "
+            f"itself after {lifetime_s:g} s (at {ends}){parent}. {where}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from graphfit.baechi.cluster import Task, parse_cluster_spec, serve_worker
+    from graphfit.baechi.netns import network_interfaces
+
+    try:
+        spec = parse_cluster_spec(_CLUSTER_SPEC.value)
+    except ValueError as error:
+        raise app.UsageError(f"--cluster_spec: {error}") from error
+    addresses = spec.get(_JOB.value)
+    if addresses is None or _TASK.value >= len(addresses):
+        raise app.UsageError(f"--job={_JOB.value} --task={_TASK.value} is not in the cluster "
+                             f"spec {spec}")
+    task = Task(_JOB.value, _TASK.value, addresses[_TASK.value])
+    port = task.address.rpartition(":")[2]
+    print(exposure_warning(port, _LIFETIME_S.value, _PARENT_PID.value,
+                           network_interfaces() == ["lo"]), file=sys.stderr, flush=True)
+
+    def ready(record: dict) -> None:
+        print(f"ready grpc://{task.address} {task.name} tf={record['tf_version']} "
+              f"pid={record['pid']}", flush=True)
+
+    try:
+        serve_worker(spec, task, _LIFETIME_S.value, _CPU_DEVICES.value, _PARENT_PID.value,
+                     on_ready=ready)
+    except Exception as error:  # TF's server start reports a busy port as UnknownError
+        raise SystemExit(f"worker {task} could not start: {type(error).__name__}: {error} "
+                         f"(is port {port} in use?)") from error
+
+
+def run():
+    """Console-script entry point."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
