@@ -18,7 +18,8 @@ and of Grappler's memory optimizer, done in the GraphDef before profiling, so th
 the cost graph and therefore the rematerialization planner all see the freed memory.
 
 The last add keeps the summing node's name, so its readers and every fetched name are
-unchanged. Floating-point addition is not associative: the sums equal the originals within
+unchanged; it also carries a control edge from each earlier partial sum, which keeps the
+memory model from folding the chain back into one node that reads every contribution at once. Floating-point addition is not associative: the sums equal the originals within
 float tolerance, not bit for bit.
 
 Preconditions: the step's graph holds no cycle. Postconditions: the rewritten graph imports,
@@ -54,6 +55,11 @@ def _chain(node: tf.compat.v1.NodeDef, contributions: list[str], controls: list[
             add.attr["_class"].CopyFrom(node.attr["_class"])
         adds.append(add)
         partial = add.name
+    # Each add takes its partial sum's buffer over, so the memory model (remat.tf_memory)
+    # would fold the chain into one planning node reading every contribution at once, which
+    # is the pile-up this pass removes. A partial sum another op waits for stays a node of
+    # its own there; the edges to the last add order nothing the data edges do not.
+    adds[-1].input.extend("^" + add.name for add in adds[:-2])
     return adds
 
 
