@@ -15,12 +15,12 @@ import tensorflow as tf  # noqa: E402
 
 from graphfit.models.graph_item import GraphItem  # noqa: E402
 from graphfit.profiler.step_compare import compare_steps, compare_weights  # noqa: E402
-from graphfit.profiler.tf_function import graph_item_from_function  # noqa: E402
 from graphfit.profiler.trace import profile_graph  # noqa: E402
 from graphfit.remat.early_updates import (apply_updates_early,  # noqa: E402
                                           order_updates_after_reads)
 from graphfit.remat.grad_accumulation import accumulate_gradients  # noqa: E402
 from graphfit.remat.tf_memory import step_item  # noqa: E402
+from graphfit.tools.bench_reach import keras_step_item  # noqa: E402
 
 STEPS, WIDTH, BATCH = 12, 512, 4
 
@@ -82,19 +82,8 @@ def _keras_item(optimizer: str, layers: int = 4, width: int = 768, batch: int = 
                                 for _ in range(layers)] + [keras.layers.Dense(10)])
     opt = {"sgd": keras.optimizers.SGD(0.1), "momentum": keras.optimizers.SGD(0.1, momentum=0.9),
            "adam": keras.optimizers.Adam(1e-2)}[optimizer]
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-        return loss
-
-    rng = np.random.default_rng(1)
-    return graph_item_from_function(train_step, rng.standard_normal((batch, width), np.float32),
-                                    np.arange(batch) % 10, name=f"keras_{optimizer}")
+    x = np.random.default_rng(1).standard_normal((batch, width), np.float32)
+    return keras_step_item(f"keras_{optimizer}", model, opt, x, np.arange(batch) % 10)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
@@ -137,20 +126,8 @@ def test_a_keras_lstm_nobody_here_wrote_fits_lower_with_both_passes():
     keras.utils.set_random_seed(2)
     model = keras.Sequential([keras.Input((16, 64)), keras.layers.LSTM(256, unroll=True),
                               keras.layers.Dense(10)])
-    opt = keras.optimizers.Adam(1e-3)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-        return loss
-
-    rng = np.random.default_rng(2)
-    item = graph_item_from_function(train_step, rng.standard_normal((8, 16, 64), np.float32),
-                                    np.arange(8) % 10, name="keras_lstm")
+    x = np.random.default_rng(2).standard_normal((8, 16, 64), np.float32)
+    item = keras_step_item("keras_lstm", model, keras.optimizers.Adam(1e-3), x, np.arange(8) % 10)
     summed, accumulated = accumulate_gradients(item)
     both, early = apply_updates_early(summed)
     assert accumulated["largest"] >= 16 and early["barriers"] == 1

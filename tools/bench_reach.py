@@ -35,7 +35,7 @@ import numpy as np
 
 from graphfit.profiler.profile import atomic_write_json
 
-__all__ = ["MODELS", "QUICK_MODELS", "RATIOS", "main", "reach"]
+__all__ = ["MODELS", "QUICK_MODELS", "RATIOS", "keras_step_item", "main", "reach"]
 
 RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 QUICK_RATIOS = (0.7, 0.5, 0.3)
@@ -50,34 +50,41 @@ def _zoo(name: str, preset: str, **knobs) -> Callable:
     return build
 
 
+def keras_step_item(name: str, model, optimizer, x: np.ndarray, y: np.ndarray):
+    """The ``tf.function`` training step of a Keras ``model`` (logits out; sparse
+    cross-entropy; ``optimizer``), traced on ``(x, y)``, as a ``FunctionItem``."""
+    import keras
+    import tensorflow as tf
+
+    from graphfit.profiler.tf_function import graph_item_from_function
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+
+    return graph_item_from_function(train_step, x, y, name=name)
+
+
 def _keras(name: str, layers: Callable, input_shape: tuple, batch: int, classes: int = 10
            ) -> Callable:
-    """A builder of the ``tf.function`` step (Adam, sparse cross-entropy) of a Keras model
-    ``layers(inputs) -> logits``, traced at ``batch``."""
+    """A builder of the step (Adam) of a Keras model ``layers(keras, inputs, classes) ->
+    logits``, traced at ``batch``."""
     def build():
         os.environ.setdefault("KERAS_BACKEND", "tensorflow")
         import keras
-        import tensorflow as tf
-
-        from graphfit.profiler.tf_function import graph_item_from_function
 
         keras.utils.set_random_seed(0)
         inputs = keras.Input(input_shape)
         model = keras.Model(inputs, layers(keras, inputs, classes))
-        optimizer = keras.optimizers.Adam(1e-3)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-        @tf.function
-        def train_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                          model.trainable_variables))
-            return loss
-
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((batch, *input_shape), dtype=np.float32)
-        return graph_item_from_function(train_step, x, np.arange(batch) % classes, name=name)
+        x = np.random.default_rng(0).standard_normal((batch, *input_shape), dtype=np.float32)
+        return keras_step_item(name, model, keras.optimizers.Adam(1e-3), x,
+                               np.arange(batch) % classes)
     return build
 
 
