@@ -16,7 +16,7 @@ depthwise net, a DenseNet-style net of concatenations, LSTM and GRU classifiers 
   verified: planned and measured overhead, measured peak / budget, loss / gradients / weights
   equal, the closed loop's rounds; or the error, verbatim.
 
-    python -m graphfit.tools.bench_reach [--quick] [--models a,b]
+    python -m graphfit.tools.bench_reach [--quick] [--models a,b] [--output_stem reach_x]
 
 Writes ``bench/results/reach.json`` (``--quick``: ``reach_quick.json``) and ``reach.png``
 and prints a table.
@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"only {', '.join(QUICK_MODELS)}, ratios {QUICK_RATIOS}")
     parser.add_argument("--models", default="", help="comma-separated names of MODELS")
+    parser.add_argument("--output_stem", default="",
+                        help="file name stem under bench/results (default reach, reach_quick)")
     args = parser.parse_args(argv if argv is not None else [])
     names = ([n for n in args.models.split(",") if n] or
              list(QUICK_MODELS if args.quick else MODELS))
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         sys.exit(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     ratios = QUICK_RATIOS if args.quick else RATIOS
-    stem = "reach_quick" if args.quick else "reach"
+    stem = args.output_stem or ("reach_quick" if args.quick else "reach")
     rows = []
     for name in names:
         print(f"reach: {name}", file=sys.stderr, flush=True)
