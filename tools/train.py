@@ -220,6 +220,7 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
 
     from graphfit.baechi import optimize
     from graphfit.baechi.lp import LPSolverError
+    from graphfit.baechi.pipeline import StepFailedError
     from graphfit.baechi.run import LocalCluster, local_target
     from graphfit.baechi.schedule import PlacementError
     from graphfit.remat.pipeline import BudgetError
@@ -237,6 +238,8 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
             raise app.UsageError(str(error)) from error
         except (PlacementError, LPSolverError) as error:
             raise SystemExit(f"placement failed: {error}") from error
+        except StepFailedError as error:
+            raise SystemExit(str(error)) from error
         report.update(result.report())
         _print_report(result)
         if placing:
