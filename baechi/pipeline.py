@@ -93,6 +93,15 @@ def _run_once(item: GraphItem, what: str, session: Callable[[Any], Any]) -> None
                               f"({type(error).__name__}): {error.message}") from error
 
 
+def _missed(budget: int, rounds: list[dict]) -> str:
+    """What each round planned and measured, for the error of a missed budget."""
+    summary = "; ".join(f"planned for {r['planning_budget_bytes'] / 2**20:.1f} MiB, measured "
+                        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB" for r in rounds)
+    return (f"the rematerialized step's measured peak stays above the budget of "
+            f"{budget / 2**20:.1f} MiB (+{PEAK_TOLERANCE:.0%}) after {len(rounds)} rounds: "
+            f"{summary}")
+
+
 def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                 budget_ratio: float | None, heuristic: str, overhead_limit: float, verify: bool,
                 num_cpu_devices: int, order_updates: bool) -> tuple[GraphItem, RematPlan, dict]:
@@ -111,8 +120,15 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices).profile)
     planning_budget, rounds = budget, []
     for _ in range(MAX_PLAN_ROUNDS):
-        rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,
-                                        heuristic=heuristic, overhead_limit=overhead_limit)
+        try:
+            rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,
+                                            heuristic=heuristic, overhead_limit=overhead_limit)
+        except BudgetError as error:
+            if not rounds:
+                raise
+            raise BudgetError(f"{_missed(budget, rounds)}; planning again for "
+                              f"{planning_budget / 2**20:.1f} MiB failed: {error}",
+                              budget, error.minimum_bytes) from error
         if plan.peak_bytes > plan.budget_bytes:
             raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
                                  f"exceeds the budget {plan.budget_bytes:,}")
@@ -137,11 +153,7 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         if details["measured_peak_bytes"] <= budget * (1 + PEAK_TOLERANCE):
             return rewritten, plan, {**details, "rounds": rounds}
         planning_budget = int(planning_budget * budget / details["measured_peak_bytes"])
-    summary = "; ".join(f"planned for {r['planning_budget_bytes'] / 2**20:.1f} MiB, measured "
-                        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB" for r in rounds)
-    raise BudgetError(f"the rematerialized step's measured peak stays above the budget of "
-                      f"{budget / 2**20:.1f} MiB (+{PEAK_TOLERANCE:.0%}) after {len(rounds)} "
-                      f"rounds: {summary}. Raise the budget or try another planner.",
+    raise BudgetError(f"{_missed(budget, rounds)}. Raise the budget or try another planner.",
                       budget, min(r["measured_peak_bytes"] for r in rounds))
 
 

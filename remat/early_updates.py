@@ -18,7 +18,8 @@ What must not happen is an update overtaking a read of the old value. TF's resou
 make that safe for the values (an update copies the buffer while a read of it is alive), but
 the copy costs memory the plan does not see. So every op that reads one of the variable's
 ``ReadVariableOp`` outputs (through ``Identity`` views) gets a control edge to every op that
-writes the variable, unless it is itself downstream of that write (a read of the new value).
+writes the variable, unless the write depends on it already or it is itself downstream of the
+write (a read of the new value).
 ``order_updates_after_reads`` is that step alone; the pipeline runs it again after the
 rematerialization rewrite, whose clones read the same ``ReadVariableOp`` outputs (the rewrite
 never clones a variable read): a clone the plan put before the update gets its edge too; one
@@ -102,8 +103,11 @@ def _order(graph_def: tf.compat.v1.GraphDef, train_op: str) -> dict:
         if not variable_readers:
             continue
         downstream = descendants(readers_of, [node.name])
-        present = {split_input(name)[0] for name in node.input}
-        for reader in sorted(variable_readers - present):
+        # A reader the update depends on already (the forward pass's, through the gradient)
+        # needs no edge; one would also make it an op others wait for, which the memory
+        # model (remat.tf_memory) keeps out of forwarding chains.
+        upstream = ancestors(graph_def, [node.name])
+        for reader in sorted(variable_readers - upstream):
             if reader in downstream:
                 late += reader.split("/")[-1].startswith("remat_")
                 continue
