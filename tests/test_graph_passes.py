@@ -115,8 +115,14 @@ def test_every_read_of_the_old_value_precedes_the_update():
         handle = update.inputs[0].op
         readers = {c for read in graph.get_operations() if read.type == "ReadVariableOp"
                    and read.inputs[0].op is handle for c in read.outputs[0].consumers()}
-        inputs = set(update.control_inputs) | {t.op for t in update.inputs}
-        assert readers and readers <= inputs, update.name
+        upstream, stack = set(), [update]
+        while stack:
+            op = stack.pop()
+            for before in set(op.control_inputs) | {t.op for t in op.inputs}:
+                if before not in upstream:
+                    upstream.add(before)
+                    stack.append(before)
+        assert readers and readers <= upstream, update.name
     again, record = order_updates_after_reads(early)
     assert again is early and record == {"ordering_edges": 0, "late_readers": 0}
 
