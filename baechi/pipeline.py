@@ -4,9 +4,17 @@ Like Grappler's meta optimizer, a list of named, independent passes transforms o
 ``GraphItem``; each can be skipped, says whether it changed anything, and checks what it
 promises:
 
+- ``grad_accumulation``, ``early_updates`` (``remat.pipeline.GRAPH_PASSES``): free memory no
+  recomputation can, before profiling: sum gradient contributions as they arrive
+  (``remat.grad_accumulation``), apply each optimizer update as soon as its gradient exists
+  (``remat.early_updates``). Run when there is a memory budget.
 - ``remat``: fit a memory budget (``remat.rematerialize``: profile, DTR plan, rewrite).
-  Requires a budget; ensures the plan's predicted peak is within it and, when verifying, that
-  the rewritten step computes the same loss and gradients and how its measured peak compares.
+  Requires a budget; ensures the plan's predicted peak is within it and that the rewritten step
+  runs (one step, even without verifying). When verifying, it is a closed loop: the rewritten
+  step must compute the same loss, gradients and (after the early-update pass) weights, and
+  its measured peak must be within 5% of the budget; if it is not, the pass plans again for a
+  budget lowered by the measured excess (``MAX_PLAN_ROUNDS`` rounds at most) and reports every
+  round, or fails with the numbers.
 - ``place``: place the step on the target's devices (``baechi.place_and_run``: group, fuse,
   m-TOPO / m-ETF / m-SCT under each device's limit, apply). Requires more than one device;
   ensures every op is placed within its device's memory and, when verifying, that the placed
@@ -29,11 +37,22 @@ from graphfit.baechi.schedule import Schedule
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.trace import print_progress, profile_graph
+from graphfit.remat.pipeline import GRAPH_PASSES, prepare_step
 from graphfit.remat.plan import RematPlan
 
-__all__ = ["PASSES", "OptimizeResult", "PassRecord", "optimize"]
+__all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "OptimizeResult", "PassRecord",
+           "StepFailedError", "optimize"]
 
-PASSES = ("remat", "place")
+PASSES = ("grad_accumulation", "early_updates", "remat", "place")
+# A measured peak above budget x (1 + PEAK_TOLERANCE) is a miss; the remat pass then plans
+# again, at most MAX_PLAN_ROUNDS times in all.
+PEAK_TOLERANCE = 0.05
+MAX_PLAN_ROUNDS = 3
+
+
+class StepFailedError(RuntimeError):
+    """An optimized step does not run on TensorFlow, or misses its budget after every round;
+    the message has TF's error or the numbers of each round."""
 
 
 @dataclasses.dataclass
@@ -71,24 +90,82 @@ class OptimizeResult:
         return write_report(self, directory, extra)
 
 
-def _remat_pass(item: GraphItem, budget_bytes: int | None, budget_ratio: float | None,
-                heuristic: str, overhead_limit: float, verify: bool, num_cpu_devices: int
-                ) -> tuple[GraphItem, RematPlan, dict]:
-    from graphfit.remat.measure import measure_rewrite, measure_step
-    from graphfit.remat.pipeline import rematerialize
+def _run_once(item: GraphItem, what: str, session: Callable[[Any], Any]) -> None:
+    """Initialise and run one step of ``item`` in ``session(graph)``: a step that cannot run
+    is never returned."""
+    import tensorflow as tf
 
-    baseline = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
-    rewritten, plan = rematerialize(item, baseline.profile, budget_bytes=budget_bytes,
-                                    budget_ratio=budget_ratio, heuristic=heuristic,
-                                    overhead_limit=overhead_limit)
-    if plan.peak_bytes > plan.budget_bytes:
-        raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
-                             f"exceeds the budget {plan.budget_bytes:,}")
-    details = (measure_rewrite(item, rewritten, plan, baseline=baseline) if verify else
-               {"method": plan.method, "budget_bytes": plan.budget_bytes,
-                "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
-                "num_recomputes": plan.num_recomputes})
-    return rewritten, plan, details
+    try:
+        with session(item.graph) as session:
+            session.run(item.init_op)
+            session.run([item.train_op, item.loss], item.feed_dict())
+    except tf.errors.OpError as error:
+        raise StepFailedError(f"the {what} step does not run on TensorFlow "
+                              f"({type(error).__name__}): {error.message}") from error
+
+
+def _missed(budget: int, rounds: list[dict]) -> str:
+    """What each round planned and measured, for the error of a missed budget."""
+    summary = "; ".join(f"planned for {r['planning_budget_bytes'] / 2**20:.1f} MiB, measured "
+                        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB" for r in rounds)
+    return (f"the rematerialized step's measured peak stays above the budget of "
+            f"{budget / 2**20:.1f} MiB (+{PEAK_TOLERANCE:.0%}) after {len(rounds)} rounds: "
+            f"{summary}")
+
+
+def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
+                budget_ratio: float | None, heuristic: str, overhead_limit: float, verify: bool,
+                num_cpu_devices: int, order_updates: bool) -> tuple[GraphItem, RematPlan, dict]:
+    """Plan ``item`` (``original`` after the graph passes) for the budget, rewrite, run; when
+    verifying, measure and re-plan while the measured peak misses the budget."""
+    from graphfit.profiler.session import make_session
+    from graphfit.profiler.step_compare import compare_weights
+    from graphfit.remat.early_updates import order_updates_after_reads
+    from graphfit.remat.measure import measure_rewrite, measure_step
+    from graphfit.remat.pipeline import BudgetError, rematerialize
+
+    baseline = measure_step(original, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
+    budget = int(budget_bytes if budget_bytes is not None
+                 else budget_ratio * baseline.peak_bytes)
+    profile = (baseline.profile if item is original else
+               measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices).profile)
+    planning_budget, rounds = budget, []
+    for _ in range(MAX_PLAN_ROUNDS):
+        try:
+            rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,
+                                            heuristic=heuristic, overhead_limit=overhead_limit)
+        except BudgetError as error:
+            if not rounds:
+                raise
+            raise BudgetError(f"{_missed(budget, rounds)}; planning again for "
+                              f"{planning_budget / 2**20:.1f} MiB failed: {error}",
+                              budget, error.minimum_bytes) from error
+        if plan.peak_bytes > plan.budget_bytes:
+            raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
+                                 f"exceeds the budget {plan.budget_bytes:,}")
+        if order_updates:
+            rewritten, order = order_updates_after_reads(rewritten)
+        _run_once(rewritten, "rematerialized",
+                  lambda graph: make_session(graph, num_cpu_devices))
+        details = {"method": plan.method, "budget_bytes": budget,
+                   "planning_budget_bytes": plan.budget_bytes,
+                   "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
+                   "num_recomputes": plan.num_recomputes,
+                   "late_variable_readers": order["late_readers"] if order_updates else 0}
+        if not verify:
+            return rewritten, plan, details
+        details.update(measure_rewrite(original, rewritten, plan, baseline=baseline),
+                       budget_bytes=budget, planning_budget_bytes=plan.budget_bytes)
+        if order_updates:
+            details["weights_match"], details["max_abs_weight_diff"] = compare_weights(
+                original, rewritten)
+        details["measured_peak_over_budget"] = details["measured_peak_bytes"] / budget
+        rounds.append(details)
+        if details["measured_peak_bytes"] <= budget * (1 + PEAK_TOLERANCE):
+            return rewritten, plan, {**details, "rounds": rounds}
+        planning_budget = int(planning_budget * budget / details["measured_peak_bytes"])
+    raise BudgetError(f"{_missed(budget, rounds)}. Raise the budget or try another planner.",
+                      budget, min(r["measured_peak_bytes"] for r in rounds))
 
 
 def optimize(item: GraphItem, *,
@@ -123,7 +200,9 @@ def optimize(item: GraphItem, *,
 
     Raises:
         ValueError: an unknown pass name, both budgets given, or devices not matching target.
-        remat.pipeline.BudgetError: no plan fits the budget (names the minimum).
+        remat.pipeline.BudgetError: no plan fits the budget (names the minimum), or, when
+            verifying, the measured peak stays above it after ``MAX_PLAN_ROUNDS`` rounds.
+        StepFailedError: the rewritten or placed step does not run on TensorFlow.
         baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
             missing).
         profiler.step_compare.StepMismatchError: a placed step computes different values.
@@ -145,14 +224,29 @@ def optimize(item: GraphItem, *,
     records, plan, placement, schedule = [], None, None, None
     num_cpu_devices = target.num_cpu_devices if target is not None else 1
 
+    original = item
+    if memory_budget is None and memory_ratio is None:
+        records.extend(PassRecord(name, False, 0.0, {"skipped": "no memory budget"})
+                       for name in GRAPH_PASSES)
+    else:
+        item, graph_records = prepare_step(item, skip)
+        for name, record in graph_records.items():
+            records.append(PassRecord(name, record["changed"], record.pop("seconds", 0.0),
+                                      record))
+            if record["changed"]:
+                say(f"{name}: " + ", ".join(f"{k} {v}" for k, v in record.items()
+                                            if k != "changed"))
+
     begin = time.perf_counter()
     if "remat" in skip or (memory_budget is None and memory_ratio is None):
         records.append(PassRecord("remat", False, 0.0, {"skipped": "no memory budget"
                                                         if "remat" not in skip else "skip"}))
     else:
         say(f"remat: planning with {remat_heuristic}")
-        item, plan, details = _remat_pass(item, memory_budget, memory_ratio, remat_heuristic,
-                                          remat_overhead_limit, verify, num_cpu_devices)
+        item, plan, details = _remat_pass(
+            original, item, memory_budget, memory_ratio, remat_heuristic, remat_overhead_limit,
+            verify, num_cpu_devices,
+            order_updates=any(r.name == "early_updates" and r.changed for r in records))
         profile = None
         records.append(PassRecord("remat", plan.num_recomputes > 0,
                                   time.perf_counter() - begin, details))
@@ -171,8 +265,11 @@ def optimize(item: GraphItem, *,
         if profile is None:
             profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
         placed_item, placed = place_item(item, devices, profile, **(place_options or {}))
-        placement = (check_placement(item, placed_item, placed, target) if verify else
-                     {"plan": placed.summary()})
+        if verify:
+            placement = check_placement(item, placed_item, placed, target)
+        else:
+            placement = {"plan": placed.summary()}
+            _run_once(placed_item, "placed", target.session)
         item, schedule = placed_item, placed.schedule
         records.append(PassRecord("place", True, time.perf_counter() - begin, placement))
         say(f"place: planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms")

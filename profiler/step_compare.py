@@ -25,7 +25,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import make_session
 from graphfit.profiler.trace import step_fetches
 
-__all__ = ["StepComparison", "StepMismatchError", "compare_steps"]
+__all__ = ["StepComparison", "StepMismatchError", "compare_steps", "compare_weights"]
 
 
 class StepMismatchError(AssertionError):
@@ -131,3 +131,44 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
         max_abs_gradient=max((float(np.max(np.abs(r), initial=0.0))
                               for r in gradients_reference), default=0.0),
         rtol=rtol, atol=atol)
+
+
+def _variable_values(item: GraphItem, initial_values: Mapping[str, np.ndarray] | None
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Initialise a copy of ``item``'s graph (with ``initial_values`` fed, if given), run one
+    training step, and read every variable: (initial values, variable name -> value after)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(item.graph.as_graph_def(), name="")
+        reads = {}
+        for op in graph.get_operations():
+            if op.type == "VarHandleOp":
+                reads[op.name] = tf.raw_ops.ReadVariableOp(resource=op.outputs[0],
+                                                           dtype=op.get_attr("dtype"))
+            elif op.type in ("VariableV2", "Variable"):
+                reads[op.name] = tf.identity(op.outputs[0])
+    copy = item.with_graph(graph)
+    with make_session(graph) as session:
+        initial, _, _ = _one_step(copy, session, initial_values)
+        return initial, dict(zip(reads, session.run(list(reads.values()))))
+
+
+def compare_weights(reference: GraphItem, candidate: GraphItem, rtol: float = 1e-5,
+                    atol: float = 1e-6) -> tuple[bool, float]:
+    """One training step of each from identical initial variables: are the variables after
+    the step equal (``numpy.allclose``)? Returns ``(equal, max |difference|)``.
+
+    The check for passes that move optimizer updates (``remat.early_updates``): equal
+    gradients do not prove the updates read the right values. Optimizer slots and counters
+    are variables too, so Adam's moments and iteration count are compared as well.
+
+    Raises:
+        KeyError: ``candidate`` lacks a variable of ``reference``.
+    """
+    initial, after_reference = _variable_values(reference, None)
+    _, after_candidate = _variable_values(candidate, initial)
+    diffs = [float(np.max(np.abs(after_candidate[name] - value), initial=0.0))
+             for name, value in after_reference.items()]
+    equal = all(np.allclose(after_candidate[name], value, rtol=rtol, atol=atol)
+                for name, value in after_reference.items())
+    return equal, max(diffs, default=0.0)

@@ -1,5 +1,10 @@
 """The rematerialization pass as one call: cost graph -> plan under a budget -> rewritten step.
 
+``prepare_step`` runs the GraphDef passes that lower the step's memory before it is profiled
+(``GRAPH_PASSES``: ``remat.grad_accumulation``, ``remat.early_updates``); they free memory that
+no recomputation can (gradients waiting for a sum or for the optimizer), and because they run
+before profiling, the planner sees what they freed.
+
 ``rematerialize`` chains the pieces of ``remat``: a cost graph calibrated to what TF's executor
 allocates, with forwarding chains as planning nodes (``remat.tf_memory``), a planner (a DTR heuristic of ``remat.simulator``, or a
 baseline: ``checkpoint_all``, ``chen_sqrt_n``, ``chen_greedy``, ``checkmate``), and the graph
@@ -16,8 +21,12 @@ from graphfit.profiler.profile import Profile
 # tools.train reads --memory_budget with it from here; the definition is profiler.sizes'.
 from graphfit.remat.plan import RematPlan
 
-__all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "plan_for_budget", "rematerialize",
-           "resident_outputs"]
+__all__ = ["PLANNERS", "BASELINE_PLANNERS", "GRAPH_PASSES", "BudgetError", "plan_for_budget",
+           "prepare_step", "rematerialize", "resident_outputs"]
+
+# The passes before profiling, in order; each is item -> (item, JSON-ready record with
+# "changed").
+GRAPH_PASSES = ("grad_accumulation", "early_updates")
 
 BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
 
@@ -37,6 +46,31 @@ class BudgetError(ValueError):
     def __init__(self, message: str, budget_bytes: int, minimum_bytes: int):
         super().__init__(message)
         self.budget_bytes, self.minimum_bytes = int(budget_bytes), int(minimum_bytes)
+
+
+def prepare_step(item: GraphItem, skip: "set[str] | frozenset[str]" = frozenset()
+                 ) -> tuple[GraphItem, dict[str, dict]]:
+    """Run the ``GRAPH_PASSES`` not in ``skip`` over ``item``, in order.
+
+    Returns:
+        ``(step, records)``: the rewritten step and, per pass name, its record (``changed``,
+        what it rewrote, ``seconds``; ``{"skipped": "skip"}`` for a skipped pass).
+    """
+    import time
+
+    from graphfit.remat.early_updates import apply_updates_early
+    from graphfit.remat.grad_accumulation import accumulate_gradients
+
+    passes = {"grad_accumulation": accumulate_gradients, "early_updates": apply_updates_early}
+    records = {}
+    for name in GRAPH_PASSES:
+        if name in skip:
+            records[name] = {"changed": False, "skipped": "skip"}
+            continue
+        begin = time.perf_counter()
+        item, record = passes[name](item)
+        records[name] = {**record, "seconds": round(time.perf_counter() - begin, 3)}
+    return item, records
 
 
 def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int]:

@@ -47,3 +47,65 @@ def test_unknown_pass_and_conflicting_budgets_are_errors(item):
         baechi.optimize(item, skip=["fuse_everything"], progress=None)
     with pytest.raises(ValueError, match="not both"):
         baechi.optimize(item, memory_budget=1 << 20, memory_ratio=0.5, progress=None)
+
+
+def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
+    """Make the first ``rounds`` measurements report a peak 10% over the user's budget (the
+    closed loop's trigger, which real runs hit only now and then); returns the planning
+    budgets measured."""
+    from graphfit.remat import measure
+
+    real, planning_budgets = measure.measure_rewrite, []
+
+    def measure_rewrite(original, rewritten, plan, **kwargs):
+        report = real(original, rewritten, plan, **kwargs)
+        planning_budgets.append(plan.budget_bytes)
+        if len(planning_budgets) <= rounds:
+            report["measured_peak_bytes"] = int(1.1 * planning_budgets[0])
+        return report
+
+    monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
+    return planning_budgets
+
+
+@pytest.mark.slow
+def test_a_measured_peak_over_the_budget_is_planned_again_lower(item, monkeypatch):
+    planning_budgets = _inflate_first_rounds(monkeypatch, rounds=1)
+    remat = baechi.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
+    assert len(remat["rounds"]) == 2 and remat["rounds"][0]["measured_peak_bytes"] > \
+        1.05 * remat["budget_bytes"]
+    assert planning_budgets[1] == pytest.approx(planning_budgets[0] / 1.1, rel=1e-6)
+    assert remat["planning_budget_bytes"] == planning_budgets[1]
+    assert remat["measured_peak_bytes"] <= 1.05 * remat["budget_bytes"]
+
+
+@pytest.mark.slow
+def test_a_budget_missed_every_round_fails_with_the_numbers(item, monkeypatch):
+    from graphfit.baechi.pipeline import MAX_PLAN_ROUNDS
+    from graphfit.remat.pipeline import BudgetError
+
+    _inflate_first_rounds(monkeypatch, rounds=MAX_PLAN_ROUNDS)
+    # Either every round is measured over, or planning for the lowered budget fails: both
+    # name the rounds' numbers.
+    with pytest.raises(BudgetError, match=r"after \d rounds: planned for"):
+        baechi.optimize(item, memory_ratio=0.7, progress=None)
+
+
+def test_a_step_that_cannot_run_is_never_returned():
+    import numpy as np
+    import tensorflow as tf
+
+    from graphfit.baechi.pipeline import StepFailedError, _run_once
+    from graphfit.models.graph_item import GraphItem
+    from graphfit.profiler.session import make_session
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        loss = tf.identity(tf.reshape(x, [3]), name="loss")    # fed 4 values: fails at run time
+        train = tf.no_op(name="train_op")
+        init = tf.no_op(name="init")
+    broken = GraphItem(graph, train.name, loss.name, [], init.name,
+                       {"x:0": np.zeros(4, np.float32)})
+    with pytest.raises(StepFailedError, match="rematerialized step does not run"):
+        _run_once(broken, "rematerialized", make_session)

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "remat_milp": "graphfit.tools.bench_remat_milp",
     "placement": "graphfit.tools.bench_placement",
     "loops": "graphfit.tools.bench_loops",
+    "reach": "graphfit.tools.bench_reach",
 }
 
 

@@ -334,6 +334,7 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     from graphfit.baechi import optimize
     from graphfit.baechi.joint import fit_devices
     from graphfit.baechi.lp import LPSolverError
+    from graphfit.baechi.pipeline import StepFailedError
     from graphfit.baechi.run import local_target
     from graphfit.baechi.schedule import PlacementError
     from graphfit.profiler.trace import print_progress
@@ -370,6 +371,8 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
             raise app.UsageError(str(error)) from error
         except (PlacementError, LPSolverError) as error:
             raise SystemExit(f"placement failed: {error}") from error
+        except StepFailedError as error:
+            raise SystemExit(str(error)) from error
         report.update(result.report())
         (_print_joint if FLAGS.joint else _print_report)(result)
         if placing:

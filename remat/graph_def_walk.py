@@ -1,0 +1,134 @@
+"""Walking a GraphDef for the passes that rewrite a step before it is profiled.
+
+``remat.grad_accumulation`` and ``remat.early_updates`` edit a ``GraphDef`` node by node (like
+Grappler's optimizers edit a ``GraphDef`` in C++) and rebuild a ``tf.Graph`` from it. They share
+what is here: reading an input name, a topological order of the nodes, reachability, and the
+rebuild with its checks.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+import tensorflow as tf
+
+from graphfit.models.graph_item import GraphItem
+
+__all__ = ["GraphDefPassError", "split_input", "topological_order", "production_depth",
+           "successors", "descendants", "ancestors", "rebuild"]
+
+
+class GraphDefPassError(ValueError):
+    """A GraphDef pass produced a graph that is not a valid step (cycle, dangling name)."""
+
+
+def split_input(name: str) -> tuple[str, int]:
+    """``"op:2"`` -> ``("op", 2)``, ``"op"`` -> ``("op", 0)``, ``"^op"`` -> ``("op", -1)``
+    (a control input)."""
+    if name.startswith("^"):
+        return name[1:], -1
+    op, _, port = name.partition(":")
+    return op, int(port or 0)
+
+
+def successors(graph_def: tf.compat.v1.GraphDef) -> dict[str, list[str]]:
+    """Node name -> the nodes that read it (data or control)."""
+    successors: dict[str, list[str]] = collections.defaultdict(list)
+    for node in graph_def.node:
+        for name in node.input:
+            successors[split_input(name)[0]].append(node.name)
+    return successors
+
+
+def topological_order(graph_def: tf.compat.v1.GraphDef) -> list[str]:
+    """Node names in an order where every node follows its data and control inputs (Kahn's
+    algorithm; ties keep the GraphDef's order).
+
+    Raises:
+        GraphDefPassError: an input names no node, or the graph has a cycle.
+    """
+    names = [node.name for node in graph_def.node]
+    indegree = dict.fromkeys(names, 0)
+    for node in graph_def.node:
+        for name in node.input:
+            producer = split_input(name)[0]
+            if producer not in indegree:
+                raise GraphDefPassError(f"node {node.name!r} reads {name!r}, which names no node")
+            indegree[node.name] += 1
+    readers = successors(graph_def)
+    ready = collections.deque(name for name in names if indegree[name] == 0)
+    order = []
+    while ready:
+        name = ready.popleft()
+        order.append(name)
+        for successor in readers[name]:
+            indegree[successor] -= 1
+            if indegree[successor] == 0:
+                ready.append(successor)
+    if len(order) != len(names):
+        stuck = next(name for name in names if indegree[name] > 0)
+        raise GraphDefPassError(f"the rewritten graph has a cycle through {stuck!r}")
+    return order
+
+
+def production_depth(graph_def: tf.compat.v1.GraphDef) -> dict[str, int]:
+    """Longest path (in edges) from a source to each node: a node of a deeper level cannot run
+    before one of a shallower level it depends on, so in a backward pass through an unrolled
+    loop the gradient of a later time step has the smaller depth. Used as the static order in
+    which tensors come into existence."""
+    nodes = {node.name: node for node in graph_def.node}
+    depth: dict[str, int] = {}
+    for name in topological_order(graph_def):
+        depth[name] = max((depth[split_input(i)[0]] + 1 for i in nodes[name].input), default=0)
+    return depth
+
+
+def descendants(readers: dict[str, list[str]], sources: Iterable[str]) -> set[str]:
+    """Every node reachable from ``sources`` in ``readers`` (``successors(graph_def)``) over
+    data and control edges (sources excluded unless reachable from another source)."""
+    seen: set[str] = set()
+    stack = [s for source in sources for s in readers[source]]
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(readers[name])
+    return seen
+
+
+def ancestors(graph_def: tf.compat.v1.GraphDef, sinks: Iterable[str]) -> set[str]:
+    """Every node ``sinks`` depend on over data and control edges, ``sinks`` included (the
+    fan-in a ``Session.run`` of them executes)."""
+    nodes = {node.name: node for node in graph_def.node}
+    seen: set[str] = set()
+    stack = [split_input(sink)[0] for sink in sinks]
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(split_input(i)[0] for i in nodes[name].input)
+    return seen
+
+
+def rebuild(item: GraphItem, graph_def: tf.compat.v1.GraphDef, config_key: str,
+            record: dict) -> GraphItem:
+    """The step ``item`` on a new graph imported from ``graph_def``, its report under
+    ``config[config_key]``.
+
+    Raises:
+        GraphDefPassError: ``graph_def`` has a cycle or a dangling input, or lost a name the
+            step fetches, feeds or initialises with.
+    """
+    topological_order(graph_def)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    for name in [item.train_op, item.loss, item.init_op, *item.gradients, *item.feeds]:
+        try:
+            graph.as_graph_element(name)
+        except (KeyError, ValueError) as error:
+            raise GraphDefPassError(f"the rewritten step lost {name!r}: {error}") from error
+    rewritten = item.with_graph(graph)
+    rewritten.config = {**item.config, config_key: record}
+    return rewritten

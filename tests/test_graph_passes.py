@@ -1,0 +1,143 @@
+"""The GraphDef passes before profiling: gradient accumulation and early optimizer updates.
+
+Each is checked on a real TF step: same loss and gradients (and, for updates, the same weights
+after the step), and a measured peak that really is lower.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from graphfit.models.graph_item import GraphItem  # noqa: E402
+from graphfit.profiler.step_compare import compare_steps, compare_weights  # noqa: E402
+from graphfit.profiler.trace import profile_graph  # noqa: E402
+from graphfit.remat.early_updates import (apply_updates_early,  # noqa: E402
+                                          order_updates_after_reads)
+from graphfit.remat.grad_accumulation import accumulate_gradients  # noqa: E402
+from graphfit.remat.tf_memory import step_item  # noqa: E402
+from graphfit.tools.bench_reach import keras_step_item  # noqa: E402
+
+STEPS, WIDTH, BATCH = 12, 512, 4
+
+
+def _peak_bytes(item: GraphItem) -> int:
+    return profile_graph(step_item(item), steps=1, warmup=1, trace_every=1,
+                         progress=None).peak_bytes
+
+
+def _unrolled_rnn() -> GraphItem:
+    """A v1 RNN unrolled over STEPS steps: the recurrent weight's gradient is an AddN of one
+    [WIDTH, WIDTH] contribution (1 MiB) per step."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [STEPS, BATCH, WIDTH], name="x")
+        w = tf.compat.v1.get_variable("w", [WIDTH, WIDTH], use_resource=True,
+                                      initializer=tf.compat.v1.random_normal_initializer(0, 0.05))
+        h = tf.zeros([BATCH, WIDTH])
+        for t in range(STEPS):
+            h = tf.tanh(tf.matmul(h, w) + x[t])
+        loss = tf.identity(tf.reduce_sum(h * h), name="loss")
+        gradient, = tf.compat.v1.gradients(loss, [w])
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+            [(gradient, w)], name="train_op")
+        init = tf.compat.v1.global_variables_initializer()
+    batch = np.random.default_rng(0).standard_normal((STEPS, BATCH, WIDTH), dtype=np.float32)
+    return GraphItem(graph, train.name, loss.name, [gradient.name], init.name, {"x:0": batch},
+                     name="rnn")
+
+
+def test_running_sum_replaces_the_addn_keeps_gradients_and_lowers_the_peak():
+    item = _unrolled_rnn()
+    summed, record = accumulate_gradients(item)
+    assert record["changed"] and record["largest"] == STEPS
+    assert not [op for op in summed.graph.get_operations()
+                if op.type == "AddN" and len(op.inputs) >= 3]
+    # The sum keeps its name, so the gradient (and every reader) still resolves.
+    assert summed.gradients == item.gradients
+    assert compare_steps(item, summed).equal
+    contribution = WIDTH * WIDTH * 4
+    # All STEPS contributions wait for the AddN; the running sum holds about two at a time.
+    assert _peak_bytes(summed) <= _peak_bytes(item) - (STEPS // 2) * contribution
+
+
+def test_accumulation_leaves_steps_without_large_sums_alone():
+    item = _unrolled_rnn()
+    same, record = accumulate_gradients(item, min_inputs=STEPS + 1)
+    assert same is item and not record["changed"]
+    with pytest.raises(ValueError, match="at least 3"):
+        accumulate_gradients(item, min_inputs=2)
+
+
+def _keras_item(optimizer: str, layers: int = 4, width: int = 768, batch: int = 4):
+    """A Keras MLP whose weights (and so gradients) dominate its step's memory."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((width,))]
+                             + [keras.layers.Dense(width, activation="relu")
+                                for _ in range(layers)] + [keras.layers.Dense(10)])
+    opt = {"sgd": keras.optimizers.SGD(0.1), "momentum": keras.optimizers.SGD(0.1, momentum=0.9),
+           "adam": keras.optimizers.Adam(1e-2)}[optimizer]
+    x = np.random.default_rng(1).standard_normal((batch, width), np.float32)
+    return keras_step_item(f"keras_{optimizer}", model, opt, x, np.arange(batch) % 10)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_early_updates_give_the_same_weights(optimizer):
+    item = _keras_item(optimizer, layers=2, width=64)
+    early, record = apply_updates_early(item)
+    assert record["changed"] and record["barriers"] == 1
+    assert not [op for op in early.graph.get_operations()
+                if op.type == "IdentityN" and op.outputs[0].consumers()]
+    # Slots, Adam's iteration count and bias correction are variables too: all compared.
+    equal, max_diff = compare_weights(item, early)
+    assert equal, max_diff
+    assert compare_steps(item, early).equal
+
+
+def test_early_updates_free_each_gradient_and_lower_the_peak():
+    item = _keras_item("sgd")
+    early, _ = apply_updates_early(item)
+    gradient = 768 * 768 * 4
+    # Without the barrier, the first layers' gradients are applied and freed before the last
+    # ones exist.
+    assert _peak_bytes(early) <= _peak_bytes(item) - 2 * gradient
+
+
+def test_every_read_of_the_old_value_precedes_the_update():
+    early, _ = apply_updates_early(_keras_item("sgd", layers=2, width=64))
+    graph = early.graph
+    for update in [op for op in graph.get_operations() if op.type == "AssignSubVariableOp"]:
+        handle = update.inputs[0].op
+        readers = {c for read in graph.get_operations() if read.type == "ReadVariableOp"
+                   and read.inputs[0].op is handle for c in read.outputs[0].consumers()}
+        upstream, stack = set(), [update]
+        while stack:
+            op = stack.pop()
+            for before in set(op.control_inputs) | {t.op for t in op.inputs}:
+                if before not in upstream:
+                    upstream.add(before)
+                    stack.append(before)
+        assert readers and readers <= upstream, update.name
+    again, record = order_updates_after_reads(early)
+    assert again is early and record == {"ordering_edges": 0, "late_readers": 0}
+
+
+@pytest.mark.slow
+def test_a_keras_lstm_nobody_here_wrote_fits_lower_with_both_passes():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((16, 64)), keras.layers.LSTM(256, unroll=True),
+                              keras.layers.Dense(10)])
+    x = np.random.default_rng(2).standard_normal((8, 16, 64), np.float32)
+    item = keras_step_item("keras_lstm", model, keras.optimizers.Adam(1e-3), x, np.arange(8) % 10)
+    summed, accumulated = accumulate_gradients(item)
+    both, early = apply_updates_early(summed)
+    assert accumulated["largest"] >= 16 and early["barriers"] == 1
+    assert compare_steps(item, both).equal
+    assert compare_weights(item, both)[0]
+    recurrent_gradient = 256 * 1024 * 4
+    assert _peak_bytes(both) <= _peak_bytes(item) - 8 * recurrent_gradient

@@ -1,0 +1,316 @@
+"""Benchmark "reach": how far below its measured peak each model's training step can go.
+
+For zoo models (``default`` and ``activations`` presets) and Keras 3 models written here with
+stock Keras layers (a ResNet-style conv net with BatchNorm and residual adds, a MobileNet-style
+depthwise net, a DenseNet-style net of concatenations, LSTM and GRU classifiers with
+``unroll=True``, an attention block), at shapes this 2-core machine runs in minutes:
+
+- ``baseline_peak_bytes``: the step's measured peak (allocator records, as ``remat.measure``);
+- ``graph_passes``: what ``remat.pipeline.prepare_step`` (gradient accumulation, early
+  updates) rewrote, and the measured peak after them;
+- ``lower_bound_ratio``: the planner's lower bound (``simulator.minimum_budget_bytes`` on the
+  calibrated planning graph of the prepared step) / baseline peak;
+- ``lowest_ratio``: per planner (``dtr``, ``offline``), the lowest of ``RATIOS`` at which it
+  finds a plan (planned, not run; ratios below a failure are not tried);
+- ``at_half``: ``baechi.optimize(memory_ratio=0.5, remat_heuristic="offline")`` run and
+  verified: planned and measured overhead, measured peak / budget, loss / gradients / weights
+  equal, the closed loop's rounds; or the error, verbatim.
+
+    python -m graphfit.tools.bench_reach [--quick] [--models a,b] [--output_stem reach_x]
+
+Writes ``bench/results/reach.json`` (``--quick``: ``reach_quick.json``) and ``reach.png``
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+
+from graphfit.profiler.profile import atomic_write_json
+
+__all__ = ["MODELS", "QUICK_MODELS", "RATIOS", "keras_step_item", "main", "reach"]
+
+RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
+QUICK_RATIOS = (0.7, 0.5, 0.3)
+PLANNERS = ("dtr", "offline")
+RESULT_DIR = "bench/results"
+
+
+def _zoo(name: str, preset: str, **knobs) -> Callable:
+    def build():
+        from graphfit import models
+        return models.build(name, preset=preset, **knobs)
+    return build
+
+
+def keras_step_item(name: str, model, optimizer, x: np.ndarray, y: np.ndarray):
+    """The ``tf.function`` training step of a Keras ``model`` (logits out; sparse
+    cross-entropy; ``optimizer``), traced on ``(x, y)``, as a ``FunctionItem``."""
+    import keras
+    import tensorflow as tf
+
+    from graphfit.profiler.tf_function import graph_item_from_function
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+
+    return graph_item_from_function(train_step, x, y, name=name)
+
+
+def _keras(name: str, layers: Callable, input_shape: tuple, batch: int, classes: int = 10
+           ) -> Callable:
+    """A builder of the step (Adam) of a Keras model ``layers(keras, inputs, classes) ->
+    logits``, traced at ``batch``."""
+    def build():
+        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+        import keras
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input(input_shape)
+        model = keras.Model(inputs, layers(keras, inputs, classes))
+        x = np.random.default_rng(0).standard_normal((batch, *input_shape), dtype=np.float32)
+        return keras_step_item(name, model, keras.optimizers.Adam(1e-3), x,
+                               np.arange(batch) % classes)
+    return build
+
+
+def _resnet(keras, x, classes, widths=(32, 64, 128), blocks=2):
+    layers = keras.layers
+    x = layers.Conv2D(widths[0], 3, padding="same")(x)
+    for stage, width in enumerate(widths):
+        for block in range(blocks):
+            stride = 2 if stage and not block else 1
+            shortcut = x
+            y = layers.Conv2D(width, 3, strides=stride, padding="same")(x)
+            y = layers.ReLU()(layers.BatchNormalization()(y))
+            y = layers.BatchNormalization()(layers.Conv2D(width, 3, padding="same")(y))
+            if stride != 1 or shortcut.shape[-1] != width:
+                shortcut = layers.Conv2D(width, 1, strides=stride)(shortcut)
+            x = layers.ReLU()(layers.Add()([y, shortcut]))
+    return layers.Dense(classes)(layers.GlobalAveragePooling2D()(x))
+
+
+def _mobilenet(keras, x, classes, widths=(32, 64, 128, 128)):
+    layers = keras.layers
+    x = layers.ReLU(6.0)(layers.BatchNormalization()(layers.Conv2D(widths[0], 3, padding="same",
+                                                                   use_bias=False)(x)))
+    for k, width in enumerate(widths):
+        x = layers.DepthwiseConv2D(3, strides=2 if k % 2 else 1, padding="same",
+                                   use_bias=False)(x)
+        x = layers.ReLU(6.0)(layers.BatchNormalization()(x))
+        x = layers.Conv2D(width, 1, use_bias=False)(x)
+        x = layers.ReLU(6.0)(layers.BatchNormalization()(x))
+    return layers.Dense(classes)(layers.GlobalAveragePooling2D()(x))
+
+
+def _densenet(keras, x, classes, blocks=3, layers_per_block=6, growth=16):
+    layers = keras.layers
+    x = layers.Conv2D(2 * growth, 3, padding="same", use_bias=False)(x)
+    for block in range(blocks):
+        for _ in range(layers_per_block):
+            y = layers.ReLU()(layers.BatchNormalization()(x))
+            y = layers.Conv2D(4 * growth, 1, use_bias=False)(y)
+            y = layers.ReLU()(layers.BatchNormalization()(y))
+            y = layers.Conv2D(growth, 3, padding="same", use_bias=False)(y)
+            x = layers.Concatenate()([x, y])
+        if block < blocks - 1:
+            x = layers.ReLU()(layers.BatchNormalization()(x))
+            x = layers.Conv2D(x.shape[-1] // 2, 1, use_bias=False)(x)
+            x = layers.AveragePooling2D(2)(x)
+    return layers.Dense(classes)(layers.GlobalAveragePooling2D()(layers.ReLU()(x)))
+
+
+def _recurrent(cell: str, units=256):
+    def layers(keras, x, classes):
+        rnn = getattr(keras.layers, cell)(units, unroll=True)
+        return keras.layers.Dense(classes)(rnn(x))
+    return layers
+
+
+def _attention(keras, x, classes, heads=4, blocks=2):
+    layers = keras.layers
+    width = x.shape[-1]
+    for _ in range(blocks):
+        y = layers.MultiHeadAttention(heads, width // heads)(x, x)
+        x = layers.LayerNormalization()(layers.Add()([x, y]))
+        y = layers.Dense(width, activation="relu")(layers.Dense(4 * width)(x))
+        x = layers.LayerNormalization()(layers.Add()([x, y]))
+    return layers.Dense(classes)(layers.GlobalAveragePooling1D()(x))
+
+
+MODELS: dict[str, Callable] = {
+    "mlp/activations": _zoo("mlp", "activations"),
+    "resnet/activations": _zoo("resnet", "activations"),
+    "transformer/activations": _zoo("transformer", "activations"),
+    "cifarnet/activations": _zoo("cifarnet", "activations"),
+    "mlp/default": _zoo("mlp", "default"),
+    "resnet/default": _zoo("resnet", "default"),
+    "transformer/default": _zoo("transformer", "default"),
+    "gnmt_v2/default": _zoo("gnmt_v2", "default"),
+    "keras_resnet": _keras("keras_resnet", _resnet, (32, 32, 3), 32),
+    "keras_mobilenet": _keras("keras_mobilenet", _mobilenet, (32, 32, 3), 32),
+    "keras_densenet": _keras("keras_densenet", _densenet, (32, 32, 3), 32),
+    "keras_lstm": _keras("keras_lstm", _recurrent("LSTM"), (32, 64), 32),
+    "keras_gru": _keras("keras_gru", _recurrent("GRU"), (32, 64), 32),
+    "keras_attention": _keras("keras_attention", _attention, (128, 128), 16),
+}
+QUICK_MODELS = ("mlp/activations", "keras_lstm", "keras_densenet")
+
+
+def _lowest_ratio(plan_graph, loss: str, baseline_bytes: int, planner: str,
+                  ratios: tuple[float, ...]) -> dict:
+    """The lowest of ``ratios`` (tried from the top, stopping at the first failure) at which
+    ``planner`` plans the step, with the planned overhead there and the failure below it."""
+    from graphfit.remat.pipeline import BudgetError, plan_for_budget
+
+    found, failure = None, None
+    for ratio in ratios:
+        try:
+            plan = plan_for_budget(plan_graph, int(ratio * baseline_bytes), planner, loss=loss)
+        except BudgetError as error:
+            failure = {"ratio": ratio, "reason": str(error).split(". ")[0]}
+            break
+        found = {"ratio": ratio, "planned_overhead": round(plan.overhead, 4)}
+    return {"lowest": found, "first_failure": failure}
+
+
+def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
+    """Every number of the table for one model (see the module docstring)."""
+    from graphfit import baechi
+    from graphfit.remat.measure import measure_step
+    from graphfit.remat.pipeline import prepare_step, resident_outputs
+    from graphfit.remat.simulator import minimum_budget_bytes
+    from graphfit.remat.tf_memory import tf_memory_model
+
+    begin = time.perf_counter()
+    item = build()
+    row = {"model": name, "ops": len(item.graph.get_operations())}
+    baseline = measure_step(item, steps=2, warmup=1)
+    row["baseline_peak_bytes"] = baseline.peak_bytes
+    row["baseline_step_time_us"] = baseline.step_time_us
+    prepared, records = prepare_step(item)
+    row["graph_passes"] = records
+    measured = baseline if prepared is item else measure_step(prepared, steps=2, warmup=1)
+    row["prepared_peak_bytes"] = measured.peak_bytes
+    model = tf_memory_model(prepared, measured.profile)
+    lower = minimum_budget_bytes(model.plan_graph,
+                                 outputs=resident_outputs(model.plan_graph, prepared.loss))
+    row["lower_bound_ratio"] = lower / baseline.peak_bytes
+    row["lowest_ratio"] = {planner: _lowest_ratio(model.plan_graph, prepared.loss,
+                                                  baseline.peak_bytes, planner, ratios)
+                           for planner in PLANNERS}
+    try:
+        result = baechi.optimize(item, memory_ratio=0.5, remat_heuristic="offline", progress=None)
+        remat = result.report()["remat"]
+        row["at_half"] = {key: remat.get(key) for key in (
+            "budget_bytes", "planned_peak_bytes", "measured_peak_bytes",
+            "measured_peak_over_budget", "planned_overhead", "measured_overhead",
+            "loss_match", "gradients_match", "weights_match", "num_recomputes",
+            "late_variable_readers")}
+        row["at_half"]["rounds"] = [
+            {k: r[k] for k in ("planning_budget_bytes", "planned_peak_bytes",
+                               "measured_peak_bytes")} for r in remat.get("rounds", [])]
+    except Exception as error:  # noqa: BLE001 - a benchmark records every failure verbatim
+        row["at_half"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        traceback.print_exc()
+    row["seconds"] = round(time.perf_counter() - begin, 1)
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| model | baseline MiB | after passes | lower bound | lowest dtr / offline | "
+             "overhead @0.5 planned / measured | measured / budget | equal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | error: {row['error'][:120]} |")
+            continue
+        lowest = [row["lowest_ratio"][p]["lowest"] for p in PLANNERS]
+        half = row["at_half"]
+        if "error" in half:
+            fit = f"failed: {half['error'][:100]}"
+        else:
+            equal = all(half.get(k) in (True, None) for k in
+                        ("loss_match", "gradients_match", "weights_match"))
+            fit = (f"{half['planned_overhead']:.2f} / {half['measured_overhead']:.2f} | "
+                   f"{half['measured_peak_over_budget']:.3f} | {'yes' if equal else 'NO'}")
+        lines.append(
+            f"| {row['model']} | {row['baseline_peak_bytes'] / 2**20:.1f} | "
+            f"{row['prepared_peak_bytes'] / row['baseline_peak_bytes']:.2f} | "
+            f"{row['lower_bound_ratio']:.2f} | "
+            + " / ".join(f"{x['ratio']}" if x else "-" for x in lowest) + f" | {fit} |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in rows if "error" not in row]
+    figure, axis = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    positions = np.arange(len(rows))
+    series = [("after graph passes", [r["prepared_peak_bytes"] / r["baseline_peak_bytes"]
+                                      for r in rows]),
+              ("lower bound", [r["lower_bound_ratio"] for r in rows])]
+    series += [(f"lowest {p}", [(r["lowest_ratio"][p]["lowest"] or {"ratio": 1.0})["ratio"]
+                                for r in rows]) for p in PLANNERS]
+    series.append(("measured @0.5", [r["at_half"].get("measured_peak_bytes", np.nan)
+                                     / r["baseline_peak_bytes"] for r in rows]))
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series):
+        axis.bar(positions + k * width, values, width, label=label)
+    axis.set_xticks(positions + 0.4 - width / 2, [r["model"] for r in rows], rotation=30,
+                    ha="right")
+    axis.set_ylabel("fraction of the measured baseline peak")
+    axis.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only {', '.join(QUICK_MODELS)}, ratios {QUICK_RATIOS}")
+    parser.add_argument("--models", default="", help="comma-separated names of MODELS")
+    parser.add_argument("--output_stem", default="",
+                        help="file name stem under bench/results (default reach, reach_quick)")
+    args = parser.parse_args(argv if argv is not None else [])
+    names = ([n for n in args.models.split(",") if n] or
+             list(QUICK_MODELS if args.quick else MODELS))
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        sys.exit(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    ratios = QUICK_RATIOS if args.quick else RATIOS
+    stem = args.output_stem or ("reach_quick" if args.quick else "reach")
+    rows = []
+    for name in names:
+        print(f"reach: {name}", file=sys.stderr, flush=True)
+        try:
+            rows.append(reach(name, MODELS[name], ratios))
+        except Exception as error:  # noqa: BLE001 - one model's failure is a row, not a crash
+            traceback.print_exc()
+            rows.append({"model": name, "error": f"{type(error).__name__}: {error}"[:2000]})
+        atomic_write_json(f"{RESULT_DIR}/{stem}.json", {"ratios": ratios, "rows": rows})
+    _plot(rows, f"{RESULT_DIR}/{stem}.png")
+    print(_table(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
