@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.profiler.sizes import parse_bytes
 
 __all__ = ["Device", "DeviceError", "DeviceSet", "LinkCost", "default_device_names",
@@ -43,7 +44,7 @@ _DEVICE_NAME = re.compile(
     r"^(/job:[\w.-]+(/replica:\d+)?(/task:\d+)?)?(/device:|/)(CPU|GPU|TPU):\d+$")
 
 
-class DeviceError(ValueError):
+class DeviceError(GraphfitError, ValueError):
     """A device name, memory size, or communication description cannot be used."""
 
 

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 import numpy as np
 
+from graphfit.errors import GraphfitError
+
 __all__ = ["CostGraph", "CostGraphError", "OpSpec", "gc_paused"]
 
 
@@ -42,7 +44,7 @@ def gc_paused():
             gc.enable()
 
 
-class CostGraphError(ValueError):
+class CostGraphError(GraphfitError, ValueError):
     """The graph or its profile cannot form a valid cost graph (cycle, dangling input, mismatch)."""
 
 

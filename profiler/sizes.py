@@ -10,6 +10,8 @@ import re
 
 import numpy as np
 
+from graphfit.errors import ArgumentError
+
 __all__ = ["SizeError", "parse_bytes"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -18,7 +20,7 @@ _UNIT_BYTES = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G
                "MIB": 2**20, "GI": 2**30, "GIB": 2**30, "TI": 2**40, "TIB": 2**40}
 
 
-class SizeError(ValueError):
+class SizeError(ArgumentError):
     """A memory size cannot be parsed or is negative."""
 
 

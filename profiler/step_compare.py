@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import tensorflow as tf
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import make_session
 from graphfit.profiler.trace import step_fetches
@@ -28,7 +29,7 @@ from graphfit.profiler.trace import step_fetches
 __all__ = ["StepComparison", "StepMismatchError", "compare_steps"]
 
 
-class StepMismatchError(AssertionError):
+class StepMismatchError(GraphfitError, AssertionError):
     """The candidate step's loss or gradients differ from the reference step's."""
 
 

@@ -59,6 +59,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as eager_context
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import step_operations
@@ -74,7 +75,7 @@ _BACKWARD_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients)(_\d+)?/")
 _GRADIENT_AGGREGATION_OP_TYPES = frozenset({"AddN"})
 
 
-class FunctionItemError(ValueError):
+class FunctionItemError(GraphfitError, ValueError):
     """A ``tf.function`` step cannot become a ``GraphItem``, or an item cannot run as one."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.profile import Profile
@@ -30,7 +31,7 @@ def _simulated_planners() -> tuple[str, ...]:
 PLANNERS = _simulated_planners() + BASELINE_PLANNERS
 
 
-class BudgetError(ValueError):
+class BudgetError(GraphfitError, ValueError):
     """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
     meet (or a lower bound of it), ``budget_bytes`` the one asked for."""
 

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.heuristics import HEURISTICS, make_heuristic
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
@@ -54,7 +55,7 @@ PLANNERS = HEURISTICS + ("offline",)
 OFFLINE_PORTFOLIO = ("belady", "dtr")
 
 
-class RematError(Exception):
+class RematError(GraphfitError):
     """A plan cannot be made."""
 
 
