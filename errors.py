@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import tempfile
 
 __all__ = ["ArgumentError", "GraphfitError", "check_number", "check_writable_path"]
 
@@ -86,10 +87,11 @@ def check_writable_path(path: str, name: str) -> str:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ArgumentError(f"{name}={path}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ArgumentError(f"{name}={path}: directory {ancestor} is not writable; choose "
-                            "another path")
-    if os.path.exists(full) and not os.access(full, os.W_OK) and not os.access(
-            os.path.dirname(full), os.W_OK):
-        raise ArgumentError(f"{name}={path}: cannot replace the existing file")
+    try:  # a real attempt: permission bits say nothing for root or a read-only mount
+        fd, probe = tempfile.mkstemp(dir=ancestor, suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise ArgumentError(f"{name}={path}: cannot write in {ancestor} ({error.strerror}); "
+                            "choose another path") from None
     return path

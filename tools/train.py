@@ -20,7 +20,10 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from graphfit.errors import ArgumentError, GraphfitError, check_number, check_writable_path
+from graphfit.tools import cli
 
 FLAGS = flags.FLAGS
 
@@ -73,7 +76,7 @@ def _model_kwargs() -> dict:
     for pair in FLAGS.model_arg:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise app.UsageError(f"--model_arg={pair!r} is not key=value")
+            raise ArgumentError(f"--model_arg={pair!r} is not key=value")
         for parse in (int, float):
             try:
                 kwargs[key] = parse(value)
@@ -85,6 +88,56 @@ def _model_kwargs() -> dict:
     if FLAGS.batch_size is not None:
         kwargs["batch_size"] = FLAGS.batch_size
     return kwargs
+
+
+def check_flags() -> None:
+    """Check every flag before any work, so a typo costs no profiling run.
+
+    Raises:
+        errors.ArgumentError (or a layer's error, e.g. ``DeviceError``): naming the flag,
+        its value and what is allowed.
+    """
+    from graphfit import models
+    from graphfit.baechi.devices import parse_comm_coeffs, read_comm_json
+    from graphfit.profiler.profile import Profile
+    from graphfit.profiler.sizes import parse_bytes
+    from graphfit.remat.pipeline import PLANNERS
+
+    for name, minimum in (("steps", 1), ("warmup_steps", 0), ("trace_every", 1),
+                          ("num_devices", 1)):
+        check_number(FLAGS[name].value, f"--{name}", minimum=minimum, integer=True)
+    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
+        raise ArgumentError("give one of --memory_budget and --memory_ratio, not both")
+    if FLAGS.memory_ratio is not None:
+        check_number(FLAGS.memory_ratio, "--memory_ratio", above=0)
+    if FLAGS.memory_budget is not None:
+        try:
+            parse_bytes(FLAGS.memory_budget)
+        except ArgumentError as error:
+            raise ArgumentError(f"--memory_budget: {error}") from None
+    if FLAGS.remat_heuristic not in PLANNERS:
+        raise ArgumentError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
+                            f"{', '.join(PLANNERS)}")
+    check_number(FLAGS.remat_overhead_limit, "--remat_overhead_limit", minimum=1,
+                 allow_inf=True)
+    if FLAGS.sct_threshold is not None:
+        check_number(FLAGS.sct_threshold, "--sct_threshold", minimum=0, maximum=1)
+    if FLAGS.device_memory is not None:
+        try:
+            parse_bytes(FLAGS.device_memory)
+        except ArgumentError as error:
+            raise ArgumentError(f"--device_memory: {error}") from None
+    if FLAGS.comm_cost_coeffs is not None:
+        parse_comm_coeffs(FLAGS.comm_cost_coeffs)
+    if FLAGS.comm_cost_path is not None:
+        read_comm_json(FLAGS.comm_cost_path)
+    models.check_knobs(FLAGS.model_name, {**_model_kwargs(), "optimizer": FLAGS.optimizer})
+    models.preset_config(FLAGS.model_name, FLAGS.preset)
+    check_writable_path(FLAGS.report_path, "--report_path")
+    if FLAGS.costgen:
+        check_writable_path(FLAGS.cost_path, "--cost_path")
+    elif FLAGS["cost_path"].present and FLAGS.num_devices > 1:
+        Profile.load(FLAGS.cost_path)  # its graph is checked once the model is built
 
 
 def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "") -> dict:
@@ -122,32 +175,20 @@ def _device_set(names):
     from graphfit.baechi.devices import DeviceSet
     from graphfit.profiler.sizes import parse_bytes
 
-    try:
-        memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
-                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(names))
-        memory = int(memory * FLAGS.memory_fraction)
-        if FLAGS.comm_cost_path is not None:
-            return DeviceSet.from_json(names, memory, FLAGS.comm_cost_path)
-        return DeviceSet.uniform(names, memory, FLAGS.comm_cost_coeffs or "0.0001754,134")
-    except (ValueError, OSError) as error:  # DeviceError, SizeError
-        raise app.UsageError(str(error)) from error
+    memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
+              os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(names))
+    memory = int(memory * FLAGS.memory_fraction)
+    if FLAGS.comm_cost_path is not None:
+        return DeviceSet.from_json(names, memory, FLAGS.comm_cost_path)
+    return DeviceSet.uniform(names, memory, FLAGS.comm_cost_coeffs or "0.0001754,134")
 
 
 def _budget() -> dict:
-    """--memory_budget / --memory_ratio as ``optimize`` keywords (checked here, so a typo is a
-    usage error before any work)."""
+    """--memory_budget / --memory_ratio as ``optimize`` keywords (``check_flags`` checked
+    them)."""
     from graphfit.profiler.sizes import parse_bytes
-    from graphfit.remat.pipeline import PLANNERS
 
-    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
-        raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")
-    if FLAGS.remat_heuristic not in PLANNERS:
-        raise app.UsageError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
-                             f"{', '.join(PLANNERS)}")
-    try:
-        budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
-    except ValueError as error:
-        raise app.UsageError(f"--memory_budget: {error}") from error
+    budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
     return {"memory_budget": budget, "memory_ratio": FLAGS.memory_ratio,
             "remat_heuristic": FLAGS.remat_heuristic,
             "remat_overhead_limit": FLAGS.remat_overhead_limit}
@@ -207,10 +248,7 @@ def _profile(item, report: dict):
                              "profiled_peak_bytes": profile.peak_bytes}
         return profile
     if FLAGS["cost_path"].present and FLAGS.num_devices > 1:
-        try:
-            return Profile.load(FLAGS.cost_path, item.graph_def())
-        except (OSError, ValueError) as error:
-            raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
+        return Profile.load(FLAGS.cost_path, item.graph_def())
     return None
 
 
@@ -219,24 +257,16 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     from contextlib import nullcontext
 
     from graphfit.baechi import optimize
-    from graphfit.baechi.lp import LPSolverError
     from graphfit.baechi.run import LocalCluster, local_target
-    from graphfit.baechi.schedule import PlacementError
-    from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
     placing = FLAGS.num_devices > 1
     grpc = placing and FLAGS.cluster == "grpc"
     with LocalCluster(FLAGS.num_devices) if grpc else nullcontext() as cluster:
         target = cluster.run_target if grpc else local_target(FLAGS.num_devices)
-        try:
-            result = optimize(item, **budget, target=target,
-                              devices=_device_set(list(target.devices)) if placing else None,
-                              profile=profile, place_options=_place_options())
-        except BudgetError as error:
-            raise app.UsageError(str(error)) from error
-        except (PlacementError, LPSolverError) as error:
-            raise SystemExit(f"placement failed: {error}") from error
+        result = optimize(item, **budget, target=target,
+                          devices=_device_set(list(target.devices)) if placing else None,
+                          profile=profile, place_options=_place_options())
         report.update(result.report())
         _print_report(result)
         if placing:
@@ -251,31 +281,33 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
 
 def main(argv):
     del argv
+    check_flags()
     from graphfit import models
     from graphfit.profiler.profile import atomic_write_json
     from graphfit.profiler.trace import print_progress
 
-    try:
-        item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
-                            seed=FLAGS.seed, **_model_kwargs())
-    except (ValueError, TypeError) as error:
-        raise app.UsageError(str(error)) from error
+    item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
+                        seed=FLAGS.seed, **_model_kwargs())
     num_ops = len(item.graph.get_operations())
     print_progress(f"built {item.name}: {num_ops} ops, config {item.config}")
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
               "graph_ops": num_ops, "num_devices": FLAGS.num_devices}
     profile = _profile(item, report)
     result = report["run"] = _optimize_and_run(item, profile, report)
-    atomic_write_json(FLAGS.report_path, report)
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
           f"{FLAGS.steps}), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
           f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; "
           f"report {FLAGS.report_path}")
+    try:  # after the summary, so a full disk loses no result
+        atomic_write_json(FLAGS.report_path, report)
+    except OSError as error:
+        raise GraphfitError(f"--report_path={FLAGS.report_path}: cannot write the report "
+                            f"({error.strerror}); the line above holds the results") from None
 
 
 def run():
     """Console-script entry point."""
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":
