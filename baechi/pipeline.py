@@ -25,9 +25,12 @@ from typing import Any
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place_and_run import place_and_check, place_item
 from graphfit.baechi.run import RunTarget
+from graphfit.errors import ArgumentError, check_number
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
+from graphfit.profiler.sizes import parse_bytes
 from graphfit.profiler.trace import print_progress, profile_graph
+from graphfit.remat.pipeline import PLANNERS
 from graphfit.remat.plan import RematPlan
 
 __all__ = ["PASSES", "OptimizeResult", "PassRecord", "optimize"]
@@ -92,7 +95,7 @@ def optimize(item: GraphItem, *,
     Parameters:
         item: the training step (``models.build``, or ``profiler.tf_function`` for Keras).
         memory_budget: bytes the step may use at its peak (resident variables and feeds
-            included); or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
+            included), an int or a size such as ``"300MiB"``; or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
         remat_heuristic: a planner of ``remat.pipeline.PLANNERS``.
         remat_overhead_limit: compute multiple beyond which DTR gives up (thrash).
         target: where the placed step runs (``baechi.run.local_target(n)`` or a
@@ -111,7 +114,9 @@ def optimize(item: GraphItem, *,
         ``PassRecord`` per pass (skipped passes record why).
 
     Raises:
-        ValueError: an unknown pass name, both budgets given, or devices not matching target.
+        ValueError: an unknown pass name, or devices not matching target.
+        errors.ArgumentError: both budgets given, or a budget, ratio, overhead limit or
+            planner that is not valid (checked before any work).
         remat.pipeline.BudgetError: no plan fits the budget (names the minimum).
         baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
             missing).
@@ -129,7 +134,19 @@ def optimize(item: GraphItem, *,
     if unknown:
         raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes are {list(PASSES)}")
     if memory_budget is not None and memory_ratio is not None:
-        raise ValueError("give one of memory_budget and memory_ratio, not both")
+        raise ArgumentError("give one of memory_budget and memory_ratio, not both")
+    # Checked before any profiling: a bad argument must not cost a measured run first.
+    if memory_budget is not None:
+        try:
+            memory_budget = parse_bytes(memory_budget)
+        except ArgumentError as error:
+            raise ArgumentError(f"memory_budget: {error}") from None
+    if memory_ratio is not None:
+        check_number(memory_ratio, "memory_ratio", above=0)
+    check_number(remat_overhead_limit, "remat_overhead_limit", minimum=1, allow_inf=True)
+    if remat_heuristic not in PLANNERS:
+        raise ArgumentError(f"remat_heuristic={remat_heuristic!r} is not one of "
+                            f"{', '.join(PLANNERS)}")
     say = progress or (lambda _: None)
     records, plan, placement = [], None, None
     num_cpu_devices = target.num_cpu_devices if target is not None else 1

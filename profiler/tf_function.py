@@ -275,6 +275,13 @@ def _data_values(signature: list[Any], args: tuple) -> list[Any]:
         raise FunctionItemError(
             f"the step was traced with {len(signature)} flattened arguments, got "
             f"{len(flat)}: call it with the structure it was traced with")
+    for k, (value, spec) in enumerate(zip(flat, signature)):
+        shape = tf.TensorShape(getattr(value, "shape", np.shape(value)))
+        if isinstance(spec, tf.TensorSpec) and not spec.shape.is_compatible_with(shape):
+            raise FunctionItemError(
+                f"argument {k} has shape {shape} but the step was traced for shape "
+                f"{spec.shape} ({spec.dtype.name}): the optimized graph keeps the traced "
+                "shapes; trace and optimize the step again for this shape")
     return [value for value, spec in zip(flat, signature) if isinstance(spec, tf.TensorSpec)]
 
 
