@@ -94,5 +94,6 @@ def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,
         "loss_single_device": comparison.loss_reference, "loss_placed": comparison.loss_candidate,
         "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
         "equal_to_single_device": comparison.equal,
+        "seeded_random_ops": comparison.seeded_random_ops,
     }
     return placed, report

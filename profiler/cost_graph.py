@@ -129,8 +129,11 @@ def _checked_costs(specs: Sequence[OpSpec], field: str, values: list, integer: b
         array = np.array(values, dtype=np.float64)
     except (TypeError, ValueError):
         array = None
-    bad = (np.ones(len(values), bool) if array is None or array.shape != (len(values),) else
-           ~np.isfinite(array) | (array < 0) | ((array != np.floor(array)) if integer else False))
+    if array is None or array.shape != (len(values),):
+        bad = np.array([isinstance(v, (bool, str)) or not np.isscalar(v) for v in values])
+    else:
+        bad = ~np.isfinite(array) | (array < 0) | ((array != np.floor(array)) if integer
+                                                    else False)
     if bad.any():
         k = int(np.argmax(bad))
         kind = "a whole, non-negative number of bytes" if integer else "a finite, non-negative"
