@@ -25,6 +25,7 @@ from typing import Any
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place_and_run import place_and_check, place_item
 from graphfit.baechi.run import RunTarget
+from graphfit.baechi.verify import verify_placement, verify_rewrite
 from graphfit.errors import ArgumentError, check_number
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
@@ -88,7 +89,7 @@ def optimize(item: GraphItem, *,
              remat_heuristic: str = "dtr", remat_overhead_limit: float = 2.0,
              target: RunTarget | None = None, devices: DeviceSet | None = None,
              profile: Profile | None = None, place_options: dict[str, Any] | None = None,
-             verify: bool = True, skip: Iterable[str] = (),
+             verify: bool = True, verify_structure: bool = False, skip: Iterable[str] = (),
              progress: Callable[[str], None] | None = print_progress) -> OptimizeResult:
     """Rematerialize ``item`` to a memory budget, then place it on several devices.
 
@@ -106,6 +107,9 @@ def optimize(item: GraphItem, *,
             graph).
         place_options: passed to ``baechi.place.place`` (method, placer_type, grouper, ...).
         verify: run the checks that compare plans with real TF runs (slower).
+        verify_structure: after each pass, run its structural verifier
+            (``baechi.verify``: acyclic, every read version exists, no stateful clone,
+            colocation and limits kept); a debugging aid, cheap next to a TF run.
         skip: pass names (``PASSES``) not to run.
         progress: called with a line per pass; ``None`` for silence.
 
@@ -121,6 +125,7 @@ def optimize(item: GraphItem, *,
         baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
             missing).
         profiler.step_compare.StepMismatchError: a placed step computes different values.
+        baechi.verify.VerificationError: with ``verify_structure``, a pass broke an invariant.
 
     Examples:
         >>> from graphfit import models                              # doctest: +SKIP
@@ -157,8 +162,11 @@ def optimize(item: GraphItem, *,
                                                         if "remat" not in skip else "skip"}))
     else:
         say(f"remat: planning with {remat_heuristic}")
+        before = item
         item, plan, details = _remat_pass(item, memory_budget, memory_ratio, remat_heuristic,
                                           remat_overhead_limit, verify, num_cpu_devices)
+        if verify_structure:
+            verify_rewrite(before, item, plan)
         profile = None
         records.append(PassRecord("remat", plan.num_recomputes > 0,
                                   time.perf_counter() - begin, details))
@@ -177,11 +185,14 @@ def optimize(item: GraphItem, *,
         if profile is None:
             profile = profile_graph(item, steps=2, warmup=1, trace_every=1, progress=None)
         options = place_options or {}
+        before = item
         if verify:
             item, placement = place_and_check(item, target, devices, profile, **options)
         else:
             item, placed = place_item(item, devices, profile, **options)
             placement = {"plan": placed.summary()}
+        if verify_structure:
+            verify_placement(before, item, devices, placement["plan"]["peak_bytes"])
         records.append(PassRecord("place", True, time.perf_counter() - begin, placement))
         say(f"place: planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms")
     return OptimizeResult(item, plan, placement, records)

@@ -66,6 +66,9 @@ flags.DEFINE_float("memory_fraction", 1.0, "Fraction of --device_memory the plac
                    lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favourite child.")
 flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
+flags.DEFINE_boolean("verify_structure", False, "Debugging: after each pass, verify the "
+                     "step's structure (acyclic, every read version exists, no stateful clone, "
+                     "colocation and limits kept; baechi/verify.py).")
 flags.DEFINE_enum("cluster", "local", ["local", "grpc"], "Where --num_devices > 1 runs: "
                   "this process (GPUs or virtual CPUs) or local TF gRPC worker processes.")
 
@@ -266,7 +269,8 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
         target = cluster.run_target if grpc else local_target(FLAGS.num_devices)
         result = optimize(item, **budget, target=target,
                           devices=_device_set(list(target.devices)) if placing else None,
-                          profile=profile, place_options=_place_options())
+                          profile=profile, place_options=_place_options(),
+                          verify_structure=FLAGS.verify_structure)
         report.update(result.report())
         _print_report(result)
         if placing:
