@@ -12,12 +12,13 @@ any work, so a NaN limit or a negative size never turns into a plausible-looking
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
 import tempfile
 
-__all__ = ["ArgumentError", "GraphfitError", "check_number", "check_writable_path"]
+__all__ = ["ArgumentError", "GraphfitError", "check_number", "check_writable_path", "read_json"]
 
 
 class GraphfitError(Exception):
@@ -95,3 +96,15 @@ def check_writable_path(path: str, name: str) -> str:
         raise ArgumentError(f"{name}={path}: cannot write in {ancestor} ({error.strerror}); "
                             "choose another path") from None
     return path
+
+
+def read_json(path: str, what: str, remedy: str, error: type[GraphfitError] = ArgumentError):
+    """The parsed JSON file at ``path``, or ``error`` saying ``what`` could not be read or
+    parsed (naming the file) and ``remedy``, what to do about it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as failure:
+        raise error(f"{what}: cannot read it ({failure.strerror})") from None
+    except ValueError as failure:
+        raise error(f"{what}: not valid JSON ({failure}); {remedy}") from None

@@ -28,13 +28,12 @@ Device names follow TensorFlow: ``/GPU:0``, ``/device:CPU:1``,
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphfit.errors import GraphfitError
+from graphfit.errors import GraphfitError, read_json
 from graphfit.profiler.sizes import parse_bytes
 
 __all__ = ["Device", "DeviceError", "DeviceSet", "LinkCost", "checked_link_cost",
@@ -146,14 +145,8 @@ def read_comm_json(source: str | Mapping
     """
     where = "communication JSON" if isinstance(source, Mapping) else f"--comm_cost_path={source}"
     if not isinstance(source, Mapping):
-        try:
-            with open(source) as f:
-                source = json.load(f)
-        except OSError as error:
-            raise DeviceError(f"{where}: cannot read it ({error.strerror})") from None
-        except ValueError as error:
-            raise DeviceError(f"{where}: not valid JSON ({error}); write it again with "
-                              "tools/communication_benchmark") from None
+        source = read_json(source, where, "write it again with tools/communication_benchmark",
+                           DeviceError)
     if not isinstance(source, Mapping):
         raise DeviceError(f"{where}: expected a JSON object with 'default' and/or 'links', "
                           f"got {type(source).__name__}")

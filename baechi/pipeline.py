@@ -142,10 +142,7 @@ def optimize(item: GraphItem, *,
         raise ArgumentError("give one of memory_budget and memory_ratio, not both")
     # Checked before any profiling: a bad argument must not cost a measured run first.
     if memory_budget is not None:
-        try:
-            memory_budget = parse_bytes(memory_budget)
-        except ArgumentError as error:
-            raise ArgumentError(f"memory_budget: {error}") from None
+        memory_budget = parse_bytes(memory_budget, "memory_budget")
     if memory_ratio is not None:
         check_number(memory_ratio, "memory_ratio", above=0)
     check_number(remat_overhead_limit, "remat_overhead_limit", minimum=1, allow_inf=True)

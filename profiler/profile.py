@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from graphfit.errors import GraphfitError
+from graphfit.errors import GraphfitError, read_json
 
 __all__ = ["DeviceMemory", "OpCost", "Profile", "ProfileError", "ProfileMismatchError",
            "graph_fingerprint", "atomic_write_json"]
@@ -199,14 +199,8 @@ class Profile:
                 with the file).
             ProfileMismatchError: the profile belongs to another graph.
         """
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as error:
-            raise ProfileError(f"profile {path}: cannot read it ({error.strerror})") from None
-        except ValueError as error:
-            raise ProfileError(f"profile {path}: not valid JSON ({error}); profile the graph "
-                               "again (--costgen)") from None
+        data = read_json(path, f"profile {path}", "profile the graph again (--costgen)",
+                         ProfileError)
         try:
             profile = cls.from_json(data)
         except ProfileError as error:

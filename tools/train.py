@@ -113,11 +113,9 @@ def check_flags() -> None:
         raise ArgumentError("give one of --memory_budget and --memory_ratio, not both")
     if FLAGS.memory_ratio is not None:
         check_number(FLAGS.memory_ratio, "--memory_ratio", above=0)
-    if FLAGS.memory_budget is not None:
-        try:
-            parse_bytes(FLAGS.memory_budget)
-        except ArgumentError as error:
-            raise ArgumentError(f"--memory_budget: {error}") from None
+    for name in ("memory_budget", "device_memory"):
+        if FLAGS[name].value is not None:
+            parse_bytes(FLAGS[name].value, f"--{name}")
     if FLAGS.remat_heuristic not in PLANNERS:
         raise ArgumentError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
                             f"{', '.join(PLANNERS)}")
@@ -125,16 +123,12 @@ def check_flags() -> None:
                  allow_inf=True)
     if FLAGS.sct_threshold is not None:
         check_number(FLAGS.sct_threshold, "--sct_threshold", minimum=0, maximum=1)
-    if FLAGS.device_memory is not None:
-        try:
-            parse_bytes(FLAGS.device_memory)
-        except ArgumentError as error:
-            raise ArgumentError(f"--device_memory: {error}") from None
     if FLAGS.comm_cost_coeffs is not None:
         parse_comm_coeffs(FLAGS.comm_cost_coeffs)
     if FLAGS.comm_cost_path is not None:
         read_comm_json(FLAGS.comm_cost_path)
-    models.check_knobs(FLAGS.model_name, {**_model_kwargs(), "optimizer": FLAGS.optimizer})
+    models.check_knobs(FLAGS.model_name, {**_model_kwargs(), "optimizer": FLAGS.optimizer,
+                                          "seed": FLAGS.seed})
     models.preset_config(FLAGS.model_name, FLAGS.preset)
     check_writable_path(FLAGS.report_path, "--report_path")
     if FLAGS.costgen:
