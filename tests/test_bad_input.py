@@ -415,3 +415,17 @@ def test_to_callable_names_the_traced_shape():
     with pytest.raises(FunctionItemError, match=r"argument 0 has shape \(3, 4\) but the step "
                                                 r"was traced for shape \(8, 4\)"):
         run(tf.ones([3, 4]))
+
+
+# -- many virtual devices ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sixteen_virtual_devices_run(tmp_path):
+    """Issue 11: --num_devices=16 failed after placement with DeviceMismatchError, because a
+    device holding only constants or a fed placeholder has no step stats."""
+    result = _run_binary("train", "--model_name=mlp", "--preset=tiny", "--steps=2",
+                         "--num_devices=16", f"--report_path={tmp_path}/r.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "placed on 16 devices" in result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["place"]["equal_to_single_device"]
