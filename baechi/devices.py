@@ -47,16 +47,17 @@ limits such as 2^62 or 2^64 - 1 per device never overflow a sum.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from graphfit.errors import GraphfitError, read_json
 from graphfit.profiler.sizes import parse_bytes
 
 __all__ = ["Device", "DeviceError", "DeviceSet", "LINK_MODELS", "LinkCost", "MAX_MEMORY_BYTES",
-           "check_link_model", "default_device_names", "parse_comm_coeffs"]
+           "check_link_model", "checked_link_cost", "default_device_names", "parse_comm_coeffs",
+           "read_comm_json"]
 
 LINK_MODELS = ("contention", "parallel")
 MAX_MEMORY_BYTES = (1 << 63) - 1
@@ -78,7 +79,7 @@ _DEVICE_NAME = re.compile(
     r"^(/job:[\w.-]+(/replica:\d+)?(/task:\d+)?)?(/device:|/)(CPU|GPU|TPU):\d+$")
 
 
-class DeviceError(ValueError):
+class DeviceError(GraphfitError, ValueError):
     """A device name, memory size, or communication description cannot be used."""
 
 
@@ -122,8 +123,30 @@ def parse_comm_coeffs(text: str) -> LinkCost:
         raise DeviceError(
             f"--comm_cost_coeffs={text!r}: expected two numbers 'a,b' (transfer time = "
             "a µs/byte * bytes + b µs), e.g. 0.0001754,134") from None
-    if a < 0 or b < 0:
-        raise DeviceError(f"--comm_cost_coeffs={text!r}: coefficients must be non-negative")
+    return checked_link_cost(a, b, f"--comm_cost_coeffs={text!r}")
+
+
+# A link on which one TiB takes longer than a year is no measurement: the coefficients are
+# refused, so no schedule's makespan becomes inf (1e308 us/byte * bytes overflows).
+_TIB = 2**40
+MAX_TIB_TRANSFER_US = 365 * 24 * 3600 * 1e6
+
+
+def checked_link_cost(a_us_per_byte, b_us, where: str) -> LinkCost:
+    """``LinkCost(a, b)`` if both are finite, non-negative numbers and a TiB moves within a
+    year; otherwise ``DeviceError`` naming ``where`` (a flag, or a file and field)."""
+    for value in (a_us_per_byte, b_us):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating,
+                                                            np.integer)):
+            raise DeviceError(f"{where}: {value!r} is not a number")
+    a, b = float(a_us_per_byte), float(b_us)
+    if not (np.isfinite(a) and np.isfinite(b)) or a < 0 or b < 0:
+        raise DeviceError(f"{where}: link coefficients must be finite and non-negative, got "
+                          f"a={a!r} µs/byte, b={b!r} µs")
+    if a * _TIB + b > MAX_TIB_TRANSFER_US:
+        raise DeviceError(f"{where}: a={a!r} µs/byte, b={b!r} µs would take "
+                          f"{(a * _TIB + b) / 3.15e13:.3g} years for a TiB: not a link; "
+                          "measure it with tools/communication_benchmark")
     return LinkCost(a, b)
 
 
@@ -145,6 +168,51 @@ def default_device_names(num_devices: int, gpu_names: Sequence[str] = ()) -> lis
         raise DeviceError(f"need at least one device, got {num_devices}")
     kind = "/GPU:" if len(gpu_names) >= num_devices else "/device:CPU:"
     return [f"{kind}{i}" for i in range(num_devices)]
+
+
+def read_comm_json(source: str | Mapping
+                   ) -> tuple[dict[tuple[str, str], LinkCost], LinkCost | None, str | None]:
+    """The links, the default link and the link model (``None`` if not given) of a
+    communication JSON (a path or the parsed dict; schema in the module docstring), every
+    field checked.
+
+    Raises:
+        DeviceError: the file cannot be read or parsed, or a field is missing, of the wrong
+            type, or not a finite non-negative cost; the message names the file and the field.
+    """
+    where = "communication JSON" if isinstance(source, Mapping) else f"--comm_cost_path={source}"
+    if not isinstance(source, Mapping):
+        source = read_json(source, where, "write it again with tools/communication_benchmark",
+                           DeviceError)
+    if not isinstance(source, Mapping):
+        raise DeviceError(f"{where}: expected a JSON object with 'default' and/or 'links', "
+                          f"got {type(source).__name__}")
+
+    def link(entry, field: str) -> LinkCost:
+        if not isinstance(entry, Mapping) or not {"a_us_per_byte", "b_us"} <= entry.keys():
+            raise DeviceError(f"{where}: {field} must be an object with 'a_us_per_byte' and "
+                              f"'b_us', got {entry!r}")
+        return checked_link_cost(entry["a_us_per_byte"], entry["b_us"], f"{where}: {field}")
+
+    entries = source.get("links", [])
+    if not isinstance(entries, list):
+        raise DeviceError(f"{where}: 'links' must be a list, got {type(entries).__name__}")
+    links = {}
+    for k, entry in enumerate(entries):
+        field = f"links[{k}]"
+        if not isinstance(entry, Mapping) or not all(
+                isinstance(entry.get(key), str) for key in ("src", "dst")):
+            raise DeviceError(f"{where}: {field} needs device names 'src' and 'dst'")
+        links[entry["src"], entry["dst"]] = link(entry, field)
+    default = source.get("default")
+    if default is not None:
+        default = link(default, "'default'")
+    if default is None and not links:
+        raise DeviceError(f"{where}: has neither 'default' nor 'links'")
+    link_model = source.get("link_model")
+    if link_model is not None and link_model not in LINK_MODELS:
+        raise DeviceError(f"{where}: 'link_model' is {link_model!r}; choose one of {LINK_MODELS}")
+    return links, default, link_model
 
 
 class DeviceSet:
@@ -189,8 +257,9 @@ class DeviceSet:
         self.require_tf_names = require_tf_names
         self.link_model = link_model or default_link_model(self.names)
         check_link_model(self.link_model)
-        self.default = default
-        links = dict(links or {})
+        self.default = checked_link_cost(default.a_us_per_byte, default.b_us, "default link")
+        links = {pair: checked_link_cost(c.a_us_per_byte, c.b_us, f"link {pair[0]} -> {pair[1]}")
+                 for pair, c in (links or {}).items()}
         self.links = {}
         for i, src in enumerate(self.names):
             for j, dst in enumerate(self.names):
@@ -226,26 +295,10 @@ class DeviceSet:
         Raises:
             DeviceError: if the JSON has neither ``default`` nor ``links``, or a malformed entry.
         """
-        if not isinstance(source, Mapping):
-            with open(source) as f:
-                source = json.load(f)
-        try:
-            links = {(e["src"], e["dst"]): LinkCost(float(e["a_us_per_byte"]), float(e["b_us"]))
-                     for e in source.get("links", [])}
-            default = source.get("default")
-            if default is not None:
-                default = LinkCost(float(default["a_us_per_byte"]), float(default["b_us"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise DeviceError(f"malformed communication JSON ({e!r}); expected the schema in "
-                              "baechi/devices.py") from None
+        links, default, link_model = read_comm_json(source)
         if default is None:
-            if not links:
-                raise DeviceError("communication JSON has neither 'default' nor 'links'")
             default = LinkCost(float(np.mean([l.a_us_per_byte for l in links.values()])),
                                float(np.mean([l.b_us for l in links.values()])))
-        link_model = source.get("link_model")
-        if link_model is not None:
-            check_link_model(link_model)
         uniform = cls.uniform(names, memory_bytes, default)
         return cls(uniform.devices, default, links, link_model=link_model)
 

@@ -31,6 +31,7 @@ import scipy.sparse as sp
 
 from graphfit.baechi.devices import LinkCost
 from graphfit.baechi.units import CONTROL_EDGE_BYTES, UnitGraph
+from graphfit.errors import GraphfitError
 
 __all__ = ["LP_SOLVERS", "LPSolverError", "LPSolution", "edge_comm_us", "solve_favourite_lp",
            "round_favourites"]
@@ -38,7 +39,7 @@ __all__ = ["LP_SOLVERS", "LPSolverError", "LPSolution", "edge_comm_us", "solve_f
 LP_SOLVERS = ("highs", "cvxopt", "mosek")
 
 
-class LPSolverError(RuntimeError):
+class LPSolverError(GraphfitError, RuntimeError):
     """The LP solver is unavailable, unknown, or failed on the favourite-child LP."""
 
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
+
 if TYPE_CHECKING:
     from graphfit.baechi.schedule import Schedule
 
@@ -38,7 +40,7 @@ __all__ = ["MEMORY_MODELS", "MemoryModelError", "check_memory_model", "device_pe
 MEMORY_MODELS = ("liveness", "static", "shared")
 
 
-class MemoryModelError(ValueError):
+class MemoryModelError(GraphfitError, ValueError):
     """An unknown memory model was asked for."""
 
 

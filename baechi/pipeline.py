@@ -34,10 +34,13 @@ from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place_and_run import check_placement, place_item
 from graphfit.baechi.run import RunTarget
 from graphfit.baechi.schedule import Schedule
+from graphfit.baechi.verify import verify_placement, verify_rewrite
+from graphfit.errors import ArgumentError, GraphfitError, check_number
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
+from graphfit.profiler.sizes import parse_bytes
 from graphfit.profiler.trace import print_progress, profile_graph
-from graphfit.remat.pipeline import GRAPH_PASSES, prepare_step
+from graphfit.remat.pipeline import GRAPH_PASSES, PLANNERS, prepare_step
 from graphfit.remat.plan import RematPlan
 
 __all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "OptimizeResult", "PassRecord",
@@ -50,7 +53,7 @@ PEAK_TOLERANCE = 0.05
 MAX_PLAN_ROUNDS = 3
 
 
-class StepFailedError(RuntimeError):
+class StepFailedError(GraphfitError):
     """An optimized step does not run on TensorFlow, or misses its budget after every round;
     the message has TF's error or the numbers of each round."""
 
@@ -173,14 +176,14 @@ def optimize(item: GraphItem, *,
              remat_heuristic: str = "dtr", remat_overhead_limit: float = 2.0,
              target: RunTarget | None = None, devices: DeviceSet | None = None,
              profile: Profile | None = None, place_options: dict[str, Any] | None = None,
-             verify: bool = True, skip: Iterable[str] = (),
+             verify: bool = True, verify_structure: bool = False, skip: Iterable[str] = (),
              progress: Callable[[str], None] | None = print_progress) -> OptimizeResult:
     """Rematerialize ``item`` to a memory budget, then place it on several devices.
 
     Parameters:
         item: the training step (``models.build``, or ``profiler.tf_function`` for Keras).
         memory_budget: bytes the step may use at its peak (resident variables and feeds
-            included); or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
+            included), an int or a size such as ``"300MiB"``; or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
         remat_heuristic: a planner of ``remat.pipeline.PLANNERS``.
         remat_overhead_limit: compute multiple beyond which DTR gives up (thrash).
         target: where the placed step runs (``baechi.run.local_target(n)`` or a
@@ -191,6 +194,9 @@ def optimize(item: GraphItem, *,
             graph).
         place_options: passed to ``baechi.place.place`` (method, placer_type, grouper, ...).
         verify: run the checks that compare plans with real TF runs (slower).
+        verify_structure: after each pass, run its structural verifier
+            (``baechi.verify``: acyclic, every read version exists, no stateful clone,
+            colocation and limits kept); a debugging aid, cheap next to a TF run.
         skip: pass names (``PASSES``) not to run.
         progress: called with a line per pass; ``None`` for silence.
 
@@ -199,13 +205,16 @@ def optimize(item: GraphItem, *,
         ``PassRecord`` per pass (skipped passes record why).
 
     Raises:
-        ValueError: an unknown pass name, both budgets given, or devices not matching target.
+        ValueError: an unknown pass name, or devices not matching target.
+        errors.ArgumentError: both budgets given, or a budget, ratio, overhead limit or
+            planner that is not valid (checked before any work).
         remat.pipeline.BudgetError: no plan fits the budget (names the minimum), or, when
             verifying, the measured peak stays above it after ``MAX_PLAN_ROUNDS`` rounds.
         StepFailedError: the rewritten or placed step does not run on TensorFlow.
         baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
             missing).
         profiler.step_compare.StepMismatchError: a placed step computes different values.
+        baechi.verify.VerificationError: with ``verify_structure``, a pass broke an invariant.
 
     Examples:
         >>> from graphfit import models                              # doctest: +SKIP
@@ -219,7 +228,16 @@ def optimize(item: GraphItem, *,
     if unknown:
         raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes are {list(PASSES)}")
     if memory_budget is not None and memory_ratio is not None:
-        raise ValueError("give one of memory_budget and memory_ratio, not both")
+        raise ArgumentError("give one of memory_budget and memory_ratio, not both")
+    # Checked before any profiling: a bad argument must not cost a measured run first.
+    if memory_budget is not None:
+        memory_budget = parse_bytes(memory_budget, "memory_budget")
+    if memory_ratio is not None:
+        check_number(memory_ratio, "memory_ratio", above=0)
+    check_number(remat_overhead_limit, "remat_overhead_limit", minimum=1, allow_inf=True)
+    if remat_heuristic not in PLANNERS:
+        raise ArgumentError(f"remat_heuristic={remat_heuristic!r} is not one of "
+                            f"{', '.join(PLANNERS)}")
     say = progress or (lambda _: None)
     records, plan, placement, schedule = [], None, None, None
     num_cpu_devices = target.num_cpu_devices if target is not None else 1
@@ -243,10 +261,13 @@ def optimize(item: GraphItem, *,
                                                         if "remat" not in skip else "skip"}))
     else:
         say(f"remat: planning with {remat_heuristic}")
+        before = item
         item, plan, details = _remat_pass(
             original, item, memory_budget, memory_ratio, remat_heuristic, remat_overhead_limit,
             verify, num_cpu_devices,
             order_updates=any(r.name == "early_updates" and r.changed for r in records))
+        if verify_structure:
+            verify_rewrite(before, item, plan)
         profile = None
         records.append(PassRecord("remat", plan.num_recomputes > 0,
                                   time.perf_counter() - begin, details))
@@ -270,6 +291,8 @@ def optimize(item: GraphItem, *,
         else:
             placement = {"plan": placed.summary()}
             _run_once(placed_item, "placed", target.session)
+        if verify_structure:
+            verify_placement(item, placed_item, devices, placement["plan"]["peak_bytes"])
         item, schedule = placed_item, placed.schedule
         records.append(PassRecord("place", True, time.perf_counter() - begin, placement))
         say(f"place: planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms")

@@ -31,6 +31,7 @@ from graphfit.baechi.m_topo import m_topo
 from graphfit.baechi.memory import check_memory_model
 from graphfit.baechi.schedule import PlacementError, Schedule, simulate
 from graphfit.baechi.units import UnitGraph
+from graphfit.errors import check_number
 from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["METHODS", "PLACER_TYPES", "Placement", "PlacementError", "makespan_lower_bound_us",
@@ -232,6 +233,7 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
     _check_option("placer_type", placer_type, PLACER_TYPES)
     _check_option("grouper", grouper, GROUPERS)
     _check_option("lp_solver", lp_solver, LP_SOLVERS)
+    check_number(sct_threshold, "sct_threshold", minimum=0, maximum=1)
     check_memory_model(memory_model)
     if link_model is not None:
         devices = devices.with_link_model(link_model)

@@ -125,4 +125,5 @@ def check_placement(item: GraphItem, placed: GraphItem, placement: Placement,
         "loss_single_device": comparison.loss_reference, "loss_placed": comparison.loss_candidate,
         "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
         "equal_to_single_device": comparison.equal,
+        "seeded_random_ops": comparison.seeded_random_ops,
     }

@@ -220,12 +220,17 @@ def measure_placed_run(placed: GraphItem, run_target: RunTarget,
                             target=run_target.target, progress=None,
                             session_factory=run_target.session)
     canonical = {tf.DeviceSpec.from_string(d).to_string(): d for d in run_target.devices}
-    used = {canonical.get(tf.DeviceSpec.from_string(op.device).to_string(), op.device)
-            for op in step_operations(placed.graph, step_fetches(placed)) if op.device}
-    unknown = sorted(used - set(run_target.devices))
+    ops = [op for op in step_operations(placed.graph, step_fetches(placed)) if op.device]
+    device_of = {op.name: canonical.get(tf.DeviceSpec.from_string(op.device).to_string(),
+                                        op.device) for op in ops}
+    unknown = sorted(set(device_of.values()) - set(run_target.devices))
     if unknown:
         raise DeviceMismatchError(f"the graph uses devices {unknown} that the run target "
                                   f"does not have ({list(run_target.devices)})")
+    # A fed placeholder runs as an argument on the client's device, and TF may copy a Const
+    # into its consumers' partitions: a device holding only those has no step stats.
+    fed = {name.split(":")[0] for name in placed.feeds}
+    used = {device_of[op.name] for op in ops if op.type != "Const" and op.name not in fed}
     matches = _match_stats_devices(run_target.devices, used, list(profile.devices))
     times_ms = [t / 1000.0 for t in profile.step_time_us]
     return PlacedRun(

@@ -38,6 +38,7 @@ import numpy as np
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.memory import check_memory_model, device_peak_bytes
 from graphfit.baechi.units import CONTROL_EDGE_BYTES, UnitGraph
+from graphfit.errors import GraphfitError
 from graphfit.profiler.profile import atomic_write_json
 
 __all__ = ["Schedule", "ScheduleBuilder", "PlacementError", "simulate"]
@@ -46,7 +47,7 @@ __all__ = ["Schedule", "ScheduleBuilder", "PlacementError", "simulate"]
 MIN_DURATION_US = 1e-3
 
 
-class PlacementError(ValueError):
+class PlacementError(GraphfitError, ValueError):
     """No device can hold a unit (the message says how many bytes do not fit), or a
     placement breaks a constraint."""
 

@@ -23,6 +23,7 @@ import heapq
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.profiler.cost_graph import CostGraph
 
 __all__ = ["UnitGraph", "UnitGraphError", "CONTROL_EDGE_BYTES"]
@@ -30,7 +31,7 @@ __all__ = ["UnitGraph", "UnitGraphError", "CONTROL_EDGE_BYTES"]
 CONTROL_EDGE_BYTES = 4  # what a cross-device control edge (or empty tensor) costs to send
 
 
-class UnitGraphError(ValueError):
+class UnitGraphError(GraphfitError, ValueError):
     """A partition of a cost graph cannot form a unit graph (a cycle, or a unit across groups)."""
 
 

@@ -36,9 +36,11 @@ Every builder also takes ``optimizer`` (one of ``OPTIMIZER_NAMES``), ``learning_
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
+from graphfit.errors import ArgumentError, check_number
 from graphfit.models import cifarnet, gnmt_v2, inception_v3, mlp, resnet, transformer
 from graphfit.models.graph_item import GraphItem
 from graphfit.models.training import OPTIMIZER_NAMES, make_optimizer
@@ -49,6 +51,7 @@ __all__ = [
     "PRESETS",
     "GraphItem",
     "build",
+    "check_knobs",
     "make_optimizer",
     "preset_config",
 ]
@@ -71,8 +74,43 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 def _module(name: str) -> ModuleType:
     if name not in _MODULES:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}")
+        raise ArgumentError(f"unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}")
     return _MODULES[name]
+
+
+# Integer knobs are counts and sizes (>= 1) except these; float knobs are > 0 except rates.
+_ZERO_ALLOWED = {"seed", "decoder_layers"}
+_RATES = {"dropout"}
+
+
+def check_knobs(name: str, knobs: dict[str, Any]) -> None:
+    """Check knob names and values against model ``name``'s builder before building anything.
+
+    A knob must be a parameter of the builder, of its default's type (an integer for an
+    integer knob, a finite number for a float knob), and a count or size must be positive.
+
+    Raises:
+        ArgumentError: the message names the knob and lists the model's knobs.
+    """
+    parameters = inspect.signature(_module(name).build).parameters
+    unknown = sorted(set(knobs) - set(parameters))
+    if unknown:
+        raise ArgumentError(f"model {name!r} has no knob {', '.join(map(repr, unknown))}; its "
+                            f"knobs are {', '.join(parameters)}")
+    for key, value in knobs.items():
+        default, label = parameters[key].default, f"{name} knob {key}"
+        if key == "optimizer" and value not in OPTIMIZER_NAMES:
+            raise ArgumentError(f"unknown optimizer {value!r}; valid optimizers: "
+                                f"{', '.join(OPTIMIZER_NAMES)}")
+        if isinstance(default, bool) or isinstance(default, str):
+            if not isinstance(value, type(default)):
+                raise ArgumentError(f"{label}={value!r}: must be a {type(default).__name__}")
+        elif isinstance(default, int):
+            check_number(value, label, minimum=0 if key in _ZERO_ALLOWED else 1, integer=True)
+        elif key in _RATES:
+            check_number(value, label, minimum=0, maximum=0.999)
+        elif isinstance(default, float) or value is not None:
+            check_number(value, label, above=0)
 
 
 def preset_config(name: str, preset: str | None = "default", **overrides: Any) -> dict[str, Any]:
@@ -80,12 +118,14 @@ def preset_config(name: str, preset: str | None = "default", **overrides: Any) -
 
     Raises:
         ValueError: unknown model or preset name (the message lists the valid ones).
+        ArgumentError: an unknown knob or a bad value (``check_knobs``).
     """
+    check_knobs(name, overrides)
     presets = _module(name).PRESETS
     if preset is None:
         return dict(overrides)
     if preset not in presets:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown preset {preset!r} for model {name!r}; valid presets: {', '.join(presets)}"
         )
     return {**presets[preset], **overrides}

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 import numpy as np
 
+from graphfit.errors import GraphfitError
+
 __all__ = ["CostGraph", "CostGraphError", "OpSpec", "gc_paused"]
 
 
@@ -42,7 +44,7 @@ def gc_paused():
             gc.enable()
 
 
-class CostGraphError(ValueError):
+class CostGraphError(GraphfitError, ValueError):
     """The graph or its profile cannot form a valid cost graph (cycle, dangling input, mismatch)."""
 
 
@@ -122,6 +124,30 @@ def _topological_order(specs: Sequence[OpSpec], index: dict[str, int]) -> list[i
     return order
 
 
+def _checked_costs(specs: Sequence[OpSpec], field: str, values: list, integer: bool = False
+                   ) -> np.ndarray:
+    """``values`` (one per spec) as an array, after checking each is a finite, non-negative
+    number (a whole one for bytes): a NaN or negative cost would make every plan garbage.
+
+    Raises ``CostGraphError`` naming the first op with a bad value.
+    """
+    try:
+        array = np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.shape != (len(values),):
+        bad = np.array([isinstance(v, (bool, str)) or not np.isscalar(v) for v in values])
+    else:
+        bad = ~np.isfinite(array) | (array < 0) | ((array != np.floor(array)) if integer
+                                                    else False)
+    if bad.any():
+        k = int(np.argmax(bad))
+        kind = "a whole, non-negative number of bytes" if integer else "a finite, non-negative"
+        raise CostGraphError(f"op {specs[k].name!r}: {field} = {values[k]!r} is not {kind}"
+                             f"{'' if integer else ' time (µs)'}")
+    return array.astype(np.int64) if integer else array
+
+
 class CostGraph:
     """Ops, tensors and control edges with measured or estimated costs.
 
@@ -148,9 +174,11 @@ class CostGraph:
         self.op_types: list[str] = [s.op_type for s in specs]
         self.devices: list[str] = [s.device for s in specs]
         self.colocation_groups: list[str] = [s.colocation_group or s.name for s in specs]
-        self.compute_us = np.array([s.compute_us for s in specs], dtype=np.float64)
-        self.temp_bytes = np.array([s.temp_bytes for s in specs], dtype=np.int64)
-        self.persistent_bytes = np.array([s.persistent_bytes for s in specs], dtype=np.int64)
+        self.compute_us = _checked_costs(specs, "compute_us", [s.compute_us for s in specs])
+        self.temp_bytes = _checked_costs(specs, "temp_bytes", [s.temp_bytes for s in specs],
+                                         integer=True)
+        self.persistent_bytes = _checked_costs(specs, "persistent_bytes",
+                                               [s.persistent_bytes for s in specs], integer=True)
         for flag in ("is_stateful", "is_random", "is_variable", "reads_resource", "measured"):
             setattr(self, flag, np.array([getattr(s, flag) for s in specs], dtype=bool))
 
@@ -160,7 +188,9 @@ class CostGraph:
         self.tensor_producer = np.repeat(np.arange(len(specs), dtype=np.int32), counts)
         self.tensor_port = (np.arange(int(self.output_offset[-1]), dtype=np.int32)
                             - self.output_offset[:-1].repeat(counts).astype(np.int32))
-        self.tensor_bytes = np.array([b for s in specs for b in s.output_bytes], dtype=np.int64)
+        self.tensor_bytes = _checked_costs(
+            [s for s in specs for _ in s.output_bytes], "output_bytes",
+            [b for s in specs for b in s.output_bytes], integer=True)
         self.tensor_persistent = self._port_flags(specs, counts, "persistent_outputs")
         self.tensor_fetched = self._port_flags(specs, counts, "fetched_outputs")
 
@@ -200,7 +230,8 @@ class CostGraph:
         """Build from op specs in any order (they are sorted topologically).
 
         Raises:
-            CostGraphError: on duplicate names, a dangling input, a bad port or a cycle.
+            CostGraphError: on duplicate names, a dangling input, a bad port, a cycle, or a
+                cost that is negative, NaN or infinite.
 
         Examples:
             >>> g = CostGraph.from_ops([

@@ -11,18 +11,86 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tempfile
 from typing import Any
 
-__all__ = ["DeviceMemory", "OpCost", "Profile", "ProfileMismatchError", "graph_fingerprint",
-           "atomic_write_json"]
+from graphfit.errors import GraphfitError, read_json
+
+__all__ = ["DeviceMemory", "OpCost", "Profile", "ProfileError", "ProfileMismatchError",
+           "graph_fingerprint", "atomic_write_json"]
 
 FORMAT_VERSION = 1
 
 
-class ProfileMismatchError(ValueError):
+class ProfileError(GraphfitError, ValueError):
+    """A profile cannot be read or used: unreadable, malformed, or with impossible costs."""
+
+
+class ProfileMismatchError(ProfileError):
     """A profile is applied to a graph other than the one it was measured on."""
+
+
+def _count(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProfileError(f"{field} = {value!r}: must be a non-negative integer (bytes, count)")
+    return value
+
+
+def _duration(value, field: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0):
+        raise ProfileError(f"{field} = {value!r}: must be a finite non-negative number (µs)")
+    return float(value)
+
+
+def _fields(data, field: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{field} must be a JSON object, got {type(data).__name__}")
+    missing, extra = required - data.keys(), data.keys() - required - optional
+    if missing or extra:
+        raise ProfileError(f"{field}: missing {sorted(missing)}, unexpected {sorted(extra)}"
+                           if missing else f"{field}: unexpected {sorted(extra)}")
+    return data
+
+
+def _op_cost(data, field: str) -> "OpCost":
+    _fields(data, field, {"compute_us", "output_bytes"}, {"temp_bytes", "persistent_bytes"})
+    outputs = data["output_bytes"]
+    if not isinstance(outputs, list):
+        raise ProfileError(f"{field}.output_bytes must be a list of byte counts")
+    return OpCost(compute_us=_duration(data["compute_us"], f"{field}.compute_us"),
+                  output_bytes=[_count(b, f"{field}.output_bytes[{k}]")
+                                for k, b in enumerate(outputs)],
+                  temp_bytes=_count(data.get("temp_bytes", 0), f"{field}.temp_bytes"),
+                  persistent_bytes=_count(data.get("persistent_bytes", 0),
+                                          f"{field}.persistent_bytes"))
+
+
+def _timeline(points, field: str) -> list[tuple[float, int]]:
+    if not isinstance(points, list):
+        raise ProfileError(f"{field} must be a list of [µs, bytes] pairs")
+    timeline = []
+    for k, point in enumerate(points):
+        if not isinstance(point, list) or len(point) != 2:
+            raise ProfileError(f"{field}[{k}] = {point!r}: must be a [µs, bytes] pair")
+        timeline.append((_duration(point[0], f"{field}[{k}][0]"),
+                         _count(point[1], f"{field}[{k}][1]")))
+    return timeline
+
+
+def _device_memory(data, field: str) -> "DeviceMemory":
+    _fields(data, field, {"peak_bytes", "resident_bytes", "timeline"},
+            {"allocator_peak_bytes", "allocator_timeline"})
+    return DeviceMemory(
+        peak_bytes=_count(data["peak_bytes"], f"{field}.peak_bytes"),
+        resident_bytes=_count(data["resident_bytes"], f"{field}.resident_bytes"),
+        timeline=_timeline(data["timeline"], f"{field}.timeline"),
+        allocator_peak_bytes=_count(data.get("allocator_peak_bytes", 0),
+                                    f"{field}.allocator_peak_bytes"),
+        allocator_timeline=_timeline(data.get("allocator_timeline", []),
+                                     f"{field}.allocator_timeline"))
 
 
 @dataclasses.dataclass
@@ -85,17 +153,38 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Profile":
-        version = data.get("format_version")
+        """Parse and check a profile's JSON form: every field present and of its type, every
+        time and byte count finite and non-negative.
+
+        Raises:
+            ProfileError: naming the first bad field (``ops['x'].compute_us = -3``).
+        """
+        version = data.get("format_version") if isinstance(data, dict) else None
         if version != FORMAT_VERSION:
-            raise ValueError(f"profile format version {version!r} is not {FORMAT_VERSION}: "
-                             "profile the graph again with this version (--costgen)")
-        fields = {k: v for k, v in data.items() if k != "format_version"}
-        fields["ops"] = {k: OpCost(**v) for k, v in fields["ops"].items()}
-        fields["devices"] = {
-            k: DeviceMemory(**{**v, "timeline": [tuple(p) for p in v["timeline"]],
-                               "allocator_timeline": [tuple(p) for p in v["allocator_timeline"]]})
-            for k, v in fields["devices"].items()}
-        return cls(**fields)
+            raise ProfileError(f"profile format version {version!r} is not {FORMAT_VERSION}: "
+                               "profile the graph again with this version (--costgen)")
+        _fields(data, "profile", {"format_version", "graph_fingerprint", "ops", "devices",
+                                  "step_time_us", "num_graph_ops"},
+                {"unmeasured_ops", "metadata"})
+        for key in ("ops", "devices"):
+            if not isinstance(data[key], dict):
+                raise ProfileError(f"{key} must be a JSON object keyed by name")
+        steps = data["step_time_us"]
+        if not isinstance(steps, list):
+            raise ProfileError("step_time_us must be a list of step times (µs)")
+        if not isinstance(data["graph_fingerprint"], str):
+            raise ProfileError("graph_fingerprint must be a string")
+        unmeasured = data.get("unmeasured_ops", [])
+        if not isinstance(unmeasured, list) or not all(isinstance(n, str) for n in unmeasured):
+            raise ProfileError("unmeasured_ops must be a list of op names")
+        return cls(
+            graph_fingerprint=data["graph_fingerprint"],
+            ops={name: _op_cost(v, f"ops[{name!r}]") for name, v in data["ops"].items()},
+            devices={name: _device_memory(v, f"devices[{name!r}]")
+                     for name, v in data["devices"].items()},
+            step_time_us=[_duration(t, f"step_time_us[{k}]") for k, t in enumerate(steps)],
+            num_graph_ops=_count(data["num_graph_ops"], "num_graph_ops"),
+            unmeasured_ops=list(unmeasured), metadata=dict(data.get("metadata") or {}))
 
     def save(self, path: str) -> None:
         """Write as JSON; the file appears whole or not at all."""
@@ -106,10 +195,16 @@ class Profile:
         """Read a saved profile; with ``graph_def``, check it was measured on that graph.
 
         Raises:
+            ProfileError: the file cannot be read, is not JSON, or has a bad field (named,
+                with the file).
             ProfileMismatchError: the profile belongs to another graph.
         """
-        with open(path) as f:
-            profile = cls.from_json(json.load(f))
+        data = read_json(path, f"profile {path}", "profile the graph again (--costgen)",
+                         ProfileError)
+        try:
+            profile = cls.from_json(data)
+        except ProfileError as error:
+            raise ProfileError(f"profile {path}: {error}") from None
         if graph_def is not None:
             profile.check_matches(graph_def)
         return profile

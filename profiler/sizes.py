@@ -10,6 +10,8 @@ import re
 
 import numpy as np
 
+from graphfit.errors import ArgumentError
+
 __all__ = ["SizeError", "parse_bytes"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -18,16 +20,16 @@ _UNIT_BYTES = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G
                "MIB": 2**20, "GI": 2**30, "GIB": 2**30, "TI": 2**40, "TIB": 2**40}
 
 
-class SizeError(ValueError):
+class SizeError(ArgumentError):
     """A memory size cannot be parsed or is negative."""
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int, name: str | None = None) -> int:
     """Parse a memory size: ``2GiB``, ``512MiB``, ``1.5GB``, ``4096`` (bytes).
 
     Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB)
     powers of 1000; case and spaces between number and unit do not matter. An integer is a
-    number of bytes already.
+    number of bytes already. ``name`` (the flag or parameter) starts an error message.
 
     Raises:
         SizeError: if the text is not a non-negative size.
@@ -36,15 +38,16 @@ def parse_bytes(text: str | int) -> int:
         >>> parse_bytes("2GiB"), parse_bytes("1.5MB"), parse_bytes(64)
         (2147483648, 1500000, 64)
     """
+    prefix = f"{name}: " if name else ""
     if isinstance(text, (int, np.integer)):
         value = int(text)
         if value < 0:
-            raise SizeError(f"memory size {value} is negative")
+            raise SizeError(f"{prefix}memory size {value} is negative")
         return value
     match = _SIZE.match(str(text))
     unit = (match.group(2) or "").upper() if match else None
     if not match or unit not in _UNIT_BYTES:
         raise SizeError(
-            f"cannot parse memory size {text!r}: use a number of bytes or a number with a "
-            "suffix such as 512MiB, 2GiB, 1.5GB")
+            f"{prefix}cannot parse memory size {text!r}: use a number of bytes or a number "
+            "with a suffix such as 512MiB, 2GiB, 1.5GB")
     return int(float(match.group(1)) * _UNIT_BYTES[unit])

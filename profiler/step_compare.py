@@ -11,24 +11,33 @@ candidate's initialisers (the tensors of the same names). So the check does not 
 ops keeping their seeds through a transformation. The reference runs in a one-device session with
 the project's configuration (``profiler.session``); the candidate runs in a session the caller
 chooses (several devices, a gRPC target).
+
+Random ops in the step are treated explicitly. An unseeded one (``tf.nn.dropout`` without a
+graph or op seed: ``seed == seed2 == 0``) draws new numbers in every session, so two runs of the
+very same graph differ. For the comparison only, both graphs get copies in which each such op
+has a fixed seed derived from its name (passes keep the names of random ops: they are never
+cloned), so both draw the same mask; the comparison lists the ops it seeded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
 import tensorflow as tf
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import make_session
 from graphfit.profiler.trace import step_fetches
 
-__all__ = ["StepComparison", "StepMismatchError", "compare_steps", "compare_weights"]
+__all__ = ["StepComparison", "StepMismatchError", "compare_steps", "compare_weights",
+           "seed_random_ops"]
 
 
-class StepMismatchError(AssertionError):
+class StepMismatchError(GraphfitError, AssertionError):
     """The candidate step's loss or gradients differ from the reference step's."""
 
 
@@ -43,6 +52,8 @@ class StepComparison:
         max_abs_gradient_diff: largest elementwise |difference| over all gradients.
         max_abs_gradient: largest |gradient| of the reference, for scale.
         rtol, atol: the tolerances used.
+        seeded_random_ops: unseeded random ops given a fixed seed, by name, in both graphs
+            for this comparison (see the module docstring).
     """
 
     loss_reference: float
@@ -53,6 +64,7 @@ class StepComparison:
     max_abs_gradient: float
     rtol: float
     atol: float
+    seeded_random_ops: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def equal(self) -> bool:
@@ -66,7 +78,31 @@ class StepComparison:
                 f"the step differs from the reference step: loss {self.loss_candidate!r} vs "
                 f"{self.loss_reference!r}, max |gradient difference| "
                 f"{self.max_abs_gradient_diff:.3g} (max |gradient| {self.max_abs_gradient:.3g}, "
-                f"rtol {self.rtol}, atol {self.atol})")
+                f"rtol {self.rtol}, atol {self.atol}; unseeded random ops seeded alike in both: "
+                f"{len(self.seeded_random_ops)}): the pass changed what the step computes")
+
+
+def seed_random_ops(item: GraphItem) -> tuple[GraphItem, list[str]]:
+    """``item`` with every unseeded random op (attributes ``seed == seed2 == 0``) given a seed
+    derived from its name, and the names of those ops; ``item`` itself when it has none.
+
+    A seeded stateful random op draws the same numbers in every new session, so two graphs
+    seeded this way draw the same dropout masks wherever their ops run.
+    """
+    graph_def = item.graph.as_graph_def()
+    seeded = []
+    for node in graph_def.node:
+        if ("seed" in node.attr and "seed2" in node.attr and node.attr["seed"].i == 0
+                and node.attr["seed2"].i == 0):
+            node.attr["seed"].i = 1
+            node.attr["seed2"].i = zlib.crc32(node.name.encode()) & 0x7FFFFFFF or 1
+            seeded.append(node.name)
+    if not seeded:
+        return item, []
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    return item.with_graph(graph), sorted(seeded)
 
 
 def _initial_value_tensors(item: GraphItem) -> list[str]:
@@ -112,11 +148,14 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
         rtol, atol: tolerances of ``numpy.allclose`` (devices may sum in another order).
 
     Returns:
-        The comparison; ``.check()`` raises ``StepMismatchError`` if it failed.
+        The comparison (``seeded_random_ops``: the unseeded random ops both graphs ran with a
+        fixed seed); ``.check()`` raises ``StepMismatchError`` if it failed.
 
     Raises:
         KeyError: ``candidate`` lacks a tensor the reference's initialisers assign from.
     """
+    reference, seeded = seed_random_ops(reference)
+    candidate, _ = seed_random_ops(candidate)
     with make_session(reference.graph) as session:
         initial, loss_reference, gradients_reference = _one_step(reference, session, None)
     with candidate_session(candidate.graph) as session:
@@ -130,7 +169,7 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
                                   default=0.0),
         max_abs_gradient=max((float(np.max(np.abs(r), initial=0.0))
                               for r in gradients_reference), default=0.0),
-        rtol=rtol, atol=atol)
+        rtol=rtol, atol=atol, seeded_random_ops=seeded)
 
 
 def _variable_values(item: GraphItem, initial_values: Mapping[str, np.ndarray] | None
@@ -165,8 +204,8 @@ def compare_weights(reference: GraphItem, candidate: GraphItem, rtol: float = 1e
     Raises:
         KeyError: ``candidate`` lacks a variable of ``reference``.
     """
-    initial, after_reference = _variable_values(reference, None)
-    _, after_candidate = _variable_values(candidate, initial)
+    initial, after_reference = _variable_values(seed_random_ops(reference)[0], None)
+    _, after_candidate = _variable_values(seed_random_ops(candidate)[0], initial)
     diffs = [float(np.max(np.abs(after_candidate[name] - value), initial=0.0))
              for name, value in after_reference.items()]
     equal = all(np.allclose(after_candidate[name], value, rtol=rtol, atol=atol)

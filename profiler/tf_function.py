@@ -63,6 +63,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as eager_context
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import step_operations
@@ -79,7 +80,7 @@ _BACKWARD_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients)(_\d+)?/")
 _GRADIENT_AGGREGATION_OP_TYPES = frozenset({"AddN"})
 
 
-class FunctionItemError(ValueError):
+class FunctionItemError(GraphfitError, ValueError):
     """A ``tf.function`` step cannot become a ``GraphItem``, or an item cannot run as one."""
 
 
@@ -287,6 +288,13 @@ def _data_values(signature: list[Any], args: tuple) -> list[Any]:
         raise FunctionItemError(
             f"the step was traced with {len(signature)} flattened arguments, got "
             f"{len(flat)}: call it with the structure it was traced with")
+    for k, (value, spec) in enumerate(zip(flat, signature)):
+        shape = tf.TensorShape(getattr(value, "shape", np.shape(value)))
+        if isinstance(spec, tf.TensorSpec) and not spec.shape.is_compatible_with(shape):
+            raise FunctionItemError(
+                f"argument {k} has shape {shape} but the step was traced for shape "
+                f"{spec.shape} ({spec.dtype.name}): the optimized graph keeps the traced "
+                "shapes; trace and optimize the step again for this shape")
     return [value for value, spec in zip(flat, signature) if isinstance(spec, tf.TensorSpec)]
 
 

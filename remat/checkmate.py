@@ -60,6 +60,7 @@ import numpy as np
 import scipy.sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from graphfit.errors import GraphfitError
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.schedule import plan_from_schedule
@@ -73,7 +74,7 @@ __all__ = ["NoScheduleFoundError", "check_budget", "checkmate_milp"]
 _MEMORY_UNITS_PER_BUDGET = 1024.0
 
 
-class NoScheduleFoundError(RuntimeError):
+class NoScheduleFoundError(GraphfitError, RuntimeError):
     """HiGHS found no schedule within the budget: the time limit ran out first, or a restricted
     model (``max_stages``, ``candidates``) has none. Neither proves that no plan exists."""
 

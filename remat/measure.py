@@ -111,11 +111,16 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         graphs, ``peak_ratio`` (measured / baseline, records), ``prediction_error`` (measured /
         planned - 1), planned and measured (``paired_overhead``) overhead, step times of the
         separate measurements, loss / gradient match (``compare_steps``: ``loss_match``,
-        ``gradients_match``, ``max_abs_gradient_diff``, ``loss``).
+        ``gradients_match``, ``max_abs_gradient_diff``, ``seeded_random_ops``, ``loss``).
+
+    Raises:
+        profiler.step_compare.StepMismatchError: the rewritten step computes another loss or
+            other gradients.
     """
     baseline = baseline or measure_step(original, steps, warmup)
     measured = measure_step(rewritten, steps, warmup)
     comparison = compare_steps(original, rewritten)
+    comparison.check()  # a rewrite that changes the loss or gradients is a bug, not a figure
     return {
         "method": plan.method,
         "budget_bytes": int(plan.budget_bytes),
@@ -139,5 +144,6 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         "loss_match": comparison.loss_equal,
         "gradients_match": comparison.gradients_equal,
         "max_abs_gradient_diff": comparison.max_abs_gradient_diff,
+        "seeded_random_ops": comparison.seeded_random_ops,
         "loss": comparison.loss_reference,
     }

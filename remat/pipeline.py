@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphfit.errors import ArgumentError, GraphfitError, check_number
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.profile import Profile
@@ -39,7 +40,7 @@ def _simulated_planners() -> tuple[str, ...]:
 PLANNERS = _simulated_planners() + BASELINE_PLANNERS
 
 
-class BudgetError(ValueError):
+class BudgetError(GraphfitError, ValueError):
     """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
     meet (or a lower bound of it), ``budget_bytes`` the one asked for."""
 
@@ -191,7 +192,9 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
 
     if (budget_bytes is None) == (budget_ratio is None):
-        raise ValueError("give exactly one of budget_bytes and budget_ratio")
+        raise ArgumentError("give exactly one of budget_bytes and budget_ratio")
+    if budget_ratio is not None:
+        check_number(budget_ratio, "budget_ratio", above=0)
     if isinstance(profile_or_cost_graph, Profile):
         model = tf_memory_model(item, profile_or_cost_graph)
         baseline_bytes = profile_or_cost_graph.peak_bytes

@@ -56,6 +56,7 @@ import collections
 
 import tensorflow as tf
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
@@ -66,7 +67,7 @@ from graphfit.remat.validate import recomputable_ops
 __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name", "check_recomputable"]
 
 
-class RematRewriteError(ValueError):
+class RematRewriteError(GraphfitError, ValueError):
     """A plan cannot be lowered into the graph (unsafe clone, mismatched graph, cycle)."""
 
 

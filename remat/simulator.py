@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from graphfit.errors import ArgumentError, GraphfitError, check_number
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.heuristics import HEURISTICS, make_heuristic
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
@@ -60,7 +61,7 @@ OFFLINE_PORTFOLIO = ("belady", "dtr")
 _SERVE_WALK = 32
 
 
-class RematError(Exception):
+class RematError(GraphfitError):
     """A plan cannot be made."""
 
 
@@ -530,6 +531,13 @@ def simulate(graph: CostGraph, budget_bytes: float | None, heuristic: str = "dtr
         algorithm and h_DTR) and its simulator (uwsampl/dtr-prototype, simrd).
     """
     order = execution_order(graph, order)
+    if budget_bytes is not None:
+        check_number(budget_bytes, "budget_bytes", minimum=0)
+    check_number(overhead_limit, "overhead_limit", minimum=1, allow_inf=True)
+    bad = [t for t in outputs if not 0 <= t < graph.num_tensors]
+    if bad:
+        raise ArgumentError(f"outputs {bad[:5]} are not tensor ids of the graph (it has "
+                            f"{graph.num_tensors} tensors: 0 .. {graph.num_tensors - 1})")
     budget = math.inf if budget_bytes is None else float(budget_bytes)
     if heuristic != "offline":
         return _Simulation(graph, budget, heuristic, order, outputs, overhead_limit, seed).run()

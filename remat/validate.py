@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.remat.simulator import minimum_budget_bytes, recomputable_ops
@@ -45,11 +46,11 @@ __all__ = [
     "replay_plan",
 ]
 
-class PlanError(ValueError):
+class PlanError(GraphfitError, ValueError):
     """A plan cannot be executed as written (use after free, missing compute, ...)."""
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(GraphfitError, ValueError):
     """No plan of this planner fits the memory budget.
 
     Attributes:

@@ -46,7 +46,10 @@ from contextlib import nullcontext
 
 import numpy as np
 import scipy.optimize
-from absl import app, flags
+from absl import flags
+
+from graphfit.errors import ArgumentError, GraphfitError, check_writable_path
+from graphfit.tools import cli
 
 __all__ = ["CONTENTION_RATIO", "contention_graph", "fit_relative", "main",
            "measure_contention", "measure_transfers", "transfer_graph"]
@@ -55,7 +58,8 @@ _OUTPUT = flags.DEFINE_string("output", "bench/results/communication.json",
                               "Where to write the per-link communication costs (JSON); a "
                               "plot is written next to it (.png).")
 _MAX_POWER = flags.DEFINE_integer("max_power", 22, "Largest transfer is 2^max_power float32 "
-                                  "elements (22: 16 MiB).", lower_bound=0, upper_bound=28)
+                                  "elements (22: 16 MiB); at least 1: the fit needs two "
+                                  "sizes.", lower_bound=1, upper_bound=28)
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed repeats per size (median).",
                                 lower_bound=1)
 _HOPS = flags.DEFINE_integer("hops", 4, "Transfers per timed run (a chain alternating between "
@@ -197,7 +201,7 @@ def fit_relative(num_bytes: np.ndarray, transfer_us: np.ndarray) -> tuple[float,
     noise) carry no relative information and are left out.
 
     Raises:
-        ValueError: fewer than two sizes with a positive measured cost.
+        GraphfitError: fewer than two sizes with a positive measured cost.
 
     Examples:
         >>> a, b = fit_relative(np.array([4, 4e3, 4e6]), np.array([100.004, 104.0, 4100.0]))
@@ -207,7 +211,7 @@ def fit_relative(num_bytes: np.ndarray, transfer_us: np.ndarray) -> tuple[float,
     x, y = np.asarray(num_bytes, float), np.asarray(transfer_us, float)
     keep = y > 0
     if keep.sum() < 2:
-        raise ValueError(f"only {int(keep.sum())} size(s) had a measurable transfer time: "
+        raise GraphfitError(f"only {int(keep.sum())} size(s) had a measurable transfer time: "
                          "raise --repeats or --max_power")
     x, y = x[keep], y[keep]
     design = np.stack([x, np.ones_like(x)], axis=1) / y[:, None]
@@ -236,8 +240,8 @@ def _plot(path: str, records: list[dict], a: float, b: float, title: str) -> Non
 
 def main(argv: list[str]) -> None:
     """Measure, fit, print ``--comm_cost_coeffs`` and write the per-link JSON."""
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    del argv  # cli.run refuses positional arguments
+    check_writable_path(_OUTPUT.value, "--output")
     import tensorflow as tf
 
     from graphfit.baechi.cluster import Cluster, ClusterError, LocalCluster
@@ -252,8 +256,8 @@ def main(argv: list[str]) -> None:
     transport = ("cluster" if _CLUSTER_SPEC.value is not None
                  else _TRANSPORT.value or ("gpu" if num_gpus >= 2 else "grpc"))
     if transport == "gpu" and num_gpus < 2:
-        raise app.UsageError(f"--transport=gpu needs two GPUs; TF sees {num_gpus}. "
-                             "Use --transport=grpc or --transport=virtual.")
+        raise ArgumentError(f"--transport=gpu needs two GPUs; TF sees {num_gpus}. "
+                            "Use --transport=grpc or --transport=virtual.")
     began = time.perf_counter()
     if transport == "cluster":
         try:
@@ -341,4 +345,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -23,11 +23,15 @@ bounded by ``--cluster_timeout_s``; a missing, killed or stopped worker ends the
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from graphfit.errors import ArgumentError, GraphfitError, check_number, check_writable_path
+from graphfit.tools import cli
 
 FLAGS = flags.FLAGS
 
@@ -70,6 +74,9 @@ flags.DEFINE_float("memory_fraction", 1.0, "Fraction of --device_memory the plac
                    lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favourite child.")
 flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
+flags.DEFINE_boolean("verify_structure", False, "Debugging: after each pass, verify the "
+                     "step's structure (acyclic, every read version exists, no stateful clone, "
+                     "colocation and limits kept; baechi/verify.py).")
 flags.DEFINE_enum("cluster", "local", ["local", "grpc"], "Where --num_devices > 1 runs: "
                   "this process (GPUs or virtual CPUs) or local TF gRPC worker processes.")
 flags.DEFINE_boolean("joint", False, "With --num_devices > 1: decide the remat budget and the "
@@ -102,7 +109,7 @@ def _model_kwargs() -> dict:
     for pair in FLAGS.model_arg:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise app.UsageError(f"--model_arg={pair!r} is not key=value")
+            raise ArgumentError(f"--model_arg={pair!r} is not key=value")
         for parse in (int, float):
             try:
                 kwargs[key] = parse(value)
@@ -114,6 +121,55 @@ def _model_kwargs() -> dict:
     if FLAGS.batch_size is not None:
         kwargs["batch_size"] = FLAGS.batch_size
     return kwargs
+
+
+def check_flags() -> None:
+    """Check every flag before any work, so a typo costs no profiling run.
+
+    Raises:
+        errors.ArgumentError (or a layer's error, e.g. ``DeviceError``): naming the flag,
+        its value and what is allowed.
+    """
+    from graphfit import models
+    from graphfit.baechi.devices import parse_comm_coeffs, read_comm_json
+    from graphfit.profiler.profile import Profile
+    from graphfit.profiler.sizes import parse_bytes
+    from graphfit.remat.pipeline import PLANNERS
+
+    for name, minimum in (("steps", 1), ("warmup_steps", 0), ("trace_every", 1),
+                          ("num_devices", 1)):
+        check_number(FLAGS[name].value, f"--{name}", minimum=minimum, integer=True)
+    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
+        raise ArgumentError("give one of --memory_budget and --memory_ratio, not both")
+    if FLAGS.memory_ratio is not None:
+        check_number(FLAGS.memory_ratio, "--memory_ratio", above=0)
+    for name in ("memory_budget", "device_memory"):
+        if FLAGS[name].value is not None:
+            parse_bytes(FLAGS[name].value, f"--{name}")
+    if FLAGS.remat_heuristic not in PLANNERS:
+        raise ArgumentError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
+                            f"{', '.join(PLANNERS)}")
+    check_number(FLAGS.remat_overhead_limit, "--remat_overhead_limit", minimum=1,
+                 allow_inf=True)
+    if FLAGS.sct_threshold is not None:
+        check_number(FLAGS.sct_threshold, "--sct_threshold", minimum=0, maximum=1)
+    if FLAGS.comm_cost_coeffs is not None:
+        parse_comm_coeffs(FLAGS.comm_cost_coeffs)
+    if FLAGS.comm_cost_path is not None:
+        read_comm_json(FLAGS.comm_cost_path)
+    models.check_knobs(FLAGS.model_name, {**_model_kwargs(), "optimizer": FLAGS.optimizer,
+                                          "seed": FLAGS.seed})
+    models.preset_config(FLAGS.model_name, FLAGS.preset)
+    check_writable_path(FLAGS.report_path, "--report_path")
+    if FLAGS.report_dir is not None:
+        check_writable_path(os.path.join(FLAGS.report_dir, "summary.md"), "--report_dir")
+    if FLAGS.joint and (FLAGS.memory_budget is not None or FLAGS.memory_ratio is not None):
+        raise ArgumentError("--joint searches the remat budget itself: give --num_devices and "
+                            "--device_memory, not --memory_budget or --memory_ratio")
+    if FLAGS.costgen:
+        check_writable_path(FLAGS.cost_path, "--cost_path")
+    elif FLAGS["cost_path"].present and (FLAGS.num_devices > 1 or FLAGS.cluster_spec):
+        Profile.load(FLAGS.cost_path)  # its graph is checked once the model is built
 
 
 def run_steps(item, steps: int, warmup: int, session_factory=None) -> dict:
@@ -154,32 +210,20 @@ def _device_set(names):
     from graphfit.baechi.devices import DeviceSet
     from graphfit.profiler.sizes import parse_bytes
 
-    try:
-        memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
-                  os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(names))
-        memory = int(memory * FLAGS.memory_fraction)
-        if FLAGS.comm_cost_path is not None:
-            return DeviceSet.from_json(names, memory, FLAGS.comm_cost_path)
-        return DeviceSet.uniform(names, memory, FLAGS.comm_cost_coeffs or "0.0001754,134")
-    except (ValueError, OSError) as error:  # DeviceError, SizeError
-        raise app.UsageError(str(error)) from error
+    memory = (parse_bytes(FLAGS.device_memory) if FLAGS.device_memory is not None else
+              os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(names))
+    memory = int(memory * FLAGS.memory_fraction)
+    if FLAGS.comm_cost_path is not None:
+        return DeviceSet.from_json(names, memory, FLAGS.comm_cost_path)
+    return DeviceSet.uniform(names, memory, FLAGS.comm_cost_coeffs or "0.0001754,134")
 
 
 def _budget() -> dict:
-    """--memory_budget / --memory_ratio as ``optimize`` keywords (checked here, so a typo is a
-    usage error before any work)."""
+    """--memory_budget / --memory_ratio as ``optimize`` keywords (``check_flags`` checked
+    them)."""
     from graphfit.profiler.sizes import parse_bytes
-    from graphfit.remat.pipeline import PLANNERS
 
-    if FLAGS.memory_budget is not None and FLAGS.memory_ratio is not None:
-        raise app.UsageError("give one of --memory_budget and --memory_ratio, not both")
-    if FLAGS.remat_heuristic not in PLANNERS:
-        raise app.UsageError(f"--remat_heuristic={FLAGS.remat_heuristic!r} is not one of "
-                             f"{', '.join(PLANNERS)}")
-    try:
-        budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
-    except ValueError as error:
-        raise app.UsageError(f"--memory_budget: {error}") from error
+    budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
     return {"memory_budget": budget, "memory_ratio": FLAGS.memory_ratio,
             "remat_heuristic": FLAGS.remat_heuristic,
             "remat_overhead_limit": FLAGS.remat_overhead_limit}
@@ -259,7 +303,7 @@ def _joint_options() -> dict:
     try:
         ratios = [float(r) for r in FLAGS.joint_ratios or joint.DEFAULT_RATIOS]
     except ValueError as error:
-        raise app.UsageError(f"--joint_ratios: {error}") from error
+        raise ArgumentError(f"--joint_ratios: {error}") from error
     return {"ratios": ratios, "methods": FLAGS.joint_methods or joint.DEFAULT_METHODS,
             "heuristic": FLAGS.remat_heuristic, "overhead_limit": FLAGS.remat_overhead_limit,
             "place_options": _place_options()}
@@ -282,10 +326,7 @@ def _profile(item, report: dict):
                              "profiled_peak_bytes": profile.peak_bytes}
         return profile
     if FLAGS["cost_path"].present and (FLAGS.num_devices > 1 or FLAGS.cluster_spec):
-        try:
-            return Profile.load(FLAGS.cost_path, item.graph_def())
-        except (OSError, ValueError) as error:
-            raise app.UsageError(f"--cost_path={FLAGS.cost_path}: {error}") from error
+        return Profile.load(FLAGS.cost_path, item.graph_def())
     return None
 
 
@@ -295,12 +336,12 @@ def _cluster():
 
     if FLAGS.cluster_spec is not None:
         if FLAGS["num_devices"].present or FLAGS["cluster"].present:
-            raise app.UsageError("--cluster_spec places over every device of its workers: "
+            raise ArgumentError("--cluster_spec places over every device of its workers: "
                                  "leave out --num_devices and --cluster")
         try:
             return Cluster(FLAGS.cluster_spec, operation_timeout_s=FLAGS.cluster_timeout_s)
         except ValueError as error:
-            raise app.UsageError(f"--cluster_spec: {error}") from error
+            raise ArgumentError(f"--cluster_spec: {error}") from error
     if FLAGS.num_devices > 1 and FLAGS.cluster == "grpc":
         return LocalCluster(FLAGS.num_devices, operation_timeout_s=FLAGS.cluster_timeout_s)
     return None
@@ -333,18 +374,10 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
 
     from graphfit.baechi import optimize
     from graphfit.baechi.joint import fit_devices
-    from graphfit.baechi.lp import LPSolverError
-    from graphfit.baechi.pipeline import StepFailedError
     from graphfit.baechi.run import local_target
-    from graphfit.baechi.schedule import PlacementError
     from graphfit.profiler.trace import print_progress
-    from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
-    if FLAGS.joint and (budget["memory_budget"] or budget["memory_ratio"]):
-        raise app.UsageError("--joint searches the remat budget itself over --num_devices > 1 "
-                             "devices: give --num_devices and --device_memory, not "
-                             "--memory_budget or --memory_ratio")
     cluster = _cluster()
     with cluster if cluster is not None else nullcontext():
         if cluster is not None:
@@ -352,7 +385,7 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
         target = cluster.run_target if cluster is not None else local_target(FLAGS.num_devices)
         placing = len(target.devices) > 1
         if FLAGS.joint and not placing:
-            raise app.UsageError("--joint places over several devices: give --num_devices > 1 "
+            raise ArgumentError("--joint places over several devices: give --num_devices > 1 "
                                  "or a --cluster_spec with more than one device")
         report["num_devices"] = len(target.devices)
         if cluster is not None:
@@ -360,19 +393,13 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
                                  "operation_timeout_s": cluster.operation_timeout_s,
                                  "workers": cluster.worker_info}
         devices = _device_set(list(target.devices)) if placing else None
-        try:
-            if FLAGS.joint:
-                result = fit_devices(item, target, devices, **_joint_options(),
-                                     progress=print_progress)
-            else:
-                result = optimize(item, **budget, target=target, devices=devices,
-                                  profile=profile, place_options=_place_options())
-        except BudgetError as error:
-            raise app.UsageError(str(error)) from error
-        except (PlacementError, LPSolverError) as error:
-            raise SystemExit(f"placement failed: {error}") from error
-        except StepFailedError as error:
-            raise SystemExit(str(error)) from error
+        if FLAGS.joint:
+            result = fit_devices(item, target, devices, **_joint_options(),
+                                 progress=print_progress)
+        else:
+            result = optimize(item, **budget, target=target, devices=devices, profile=profile,
+                              place_options=_place_options(),
+                              verify_structure=FLAGS.verify_structure)
         report.update(result.report())
         (_print_joint if FLAGS.joint else _print_report)(result)
         if placing:
@@ -390,7 +417,7 @@ def _isolate_network() -> None:
     from graphfit.baechi.netns import NamespaceError, enter_isolated_network
 
     if FLAGS.cluster_spec is not None or FLAGS.cluster != "grpc":
-        raise app.UsageError("--isolated_network is for workers this binary starts itself "
+        raise ArgumentError("--isolated_network is for workers this binary starts itself "
                              "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
     try:
         enter_isolated_network([sys.executable, "-m", "graphfit.tools.train", *sys.argv[1:]])
@@ -400,6 +427,7 @@ def _isolate_network() -> None:
 
 def main(argv):
     del argv
+    check_flags()
     if FLAGS.isolated_network:
         _isolate_network()
     from graphfit import models
@@ -407,11 +435,8 @@ def main(argv):
     from graphfit.profiler.profile import atomic_write_json
     from graphfit.profiler.trace import print_progress
 
-    try:
-        item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
-                            seed=FLAGS.seed, **_model_kwargs())
-    except (ValueError, TypeError) as error:
-        raise app.UsageError(str(error)) from error
+    item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
+                        seed=FLAGS.seed, **_model_kwargs())
     num_ops = len(item.graph.get_operations())
     print_progress(f"built {item.name}: {num_ops} ops, config {item.config}")
     report = {"model": item.name, "config": item.config, "optimizer": FLAGS.optimizer,
@@ -422,20 +447,24 @@ def main(argv):
     except ClusterError as error:
         raise SystemExit(f"cluster error: {error}") from error
     report["run"] = result
-    atomic_write_json(FLAGS.report_path, report)
-    if FLAGS.report_dir:
-        optimized.save(FLAGS.report_dir, extra={"run": result, "model": item.name,
-                                                "config": item.config})
-        print_progress(f"report: {FLAGS.report_dir}/summary.md")
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
           f"{FLAGS.steps}), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
           f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; "
           f"report {FLAGS.report_path}")
+    try:  # after the summary, so a full disk loses no result
+        atomic_write_json(FLAGS.report_path, report)
+        if FLAGS.report_dir:
+            optimized.save(FLAGS.report_dir, extra={"run": result, "model": item.name,
+                                                    "config": item.config})
+            print_progress(f"report: {FLAGS.report_dir}/summary.md")
+    except OSError as error:
+        raise GraphfitError(f"cannot write the report ({error}); the line above holds the "
+                            "results") from None
 
 
 def run():
     """Console-script entry point."""
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":
