@@ -56,7 +56,8 @@ import tensorflow as tf
 from graphfit.baechi.run import RunTarget
 from graphfit.profiler.session import session_config
 
-__all__ = ["Cluster", "ClusterError", "LocalCluster", "Task", "WORKER_JOB", "parse_cluster_spec",
+__all__ = ["Cluster", "ClusterError", "LocalCluster", "Task", "WORKER_JOB", "exposure_warning",
+           "parse_cluster_spec",
            "probe", "read_worker_info", "serve_worker"]
 
 WORKER_JOB = "worker"
@@ -560,3 +561,23 @@ class LocalCluster(Cluster):
             log.close()
         self._processes, self._logs = [], []
         atexit.unregister(self.close)
+
+
+def exposure_warning(port: str, lifetime_s: float, parent_pid: int | None,
+                     isolated: bool) -> str:
+    """What this worker exposes and for how long, and how to keep it safe."""
+    import getpass
+
+    ends = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + lifetime_s))
+    parent = f", or as soon as process {parent_pid} exits" if parent_pid else ""
+    where = ("This process is in a network namespace whose only interface is loopback: the "
+             "port is reachable from inside that namespace only." if isolated else
+             "Run it only on a trusted network, let a firewall drop the port for every host but "
+             f"the client's (e.g. `iptables -A INPUT -p tcp --dport {port} ! -s CLIENT_IP -j "
+             "DROP`), or, on one machine, use `train --cluster=grpc --isolated_network` (workers "
+             "and client in a private network namespace with loopback only).")
+    return (f"WARNING: TensorFlow's gRPC server listens on 0.0.0.0:{port} (every network "
+            "interface; TF 2.21 cannot bind one address) and has no authentication: anyone who "
+            f"can connect to port {port} can run any TensorFlow op in this process (read and "
+            f"write files, run programs) as user {getpass.getuser()}. This worker exits by "
+            f"itself after {lifetime_s:g} s (at {ends}){parent}. {where}")

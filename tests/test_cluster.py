@@ -11,8 +11,8 @@ import time
 import pytest
 
 from graphfit.baechi import netns
-from graphfit.baechi.cluster import Cluster, ClusterError, Task, parse_cluster_spec, probe
-from graphfit.tools.worker import exposure_warning
+from graphfit.baechi.cluster import (Cluster, ClusterError, Task, exposure_warning,
+                                      parse_cluster_spec, probe)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

@@ -35,30 +35,10 @@ _PARENT_PID = flags.DEFINE_integer("parent_pid", None, "Also exit when this proc
 flags.mark_flags_as_required(["cluster_spec", "task"])
 
 
-def exposure_warning(port: str, lifetime_s: float, parent_pid: int | None,
-                     isolated: bool) -> str:
-    """What this worker exposes and for how long, and how to keep it safe."""
-    import getpass
-
-    ends = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + lifetime_s))
-    parent = f", or as soon as process {parent_pid} exits" if parent_pid else ""
-    where = ("This process is in a network namespace whose only interface is loopback: the "
-             "port is reachable from inside that namespace only." if isolated else
-             "Run it only on a trusted network, let a firewall drop the port for every host but "
-             f"the client's (e.g. `iptables -A INPUT -p tcp --dport {port} ! -s CLIENT_IP -j "
-             "DROP`), or, on one machine, use `train --cluster=grpc --isolated_network` (workers "
-             "and client in a private network namespace with loopback only).")
-    return (f"WARNING: TensorFlow's gRPC server listens on 0.0.0.0:{port} (every network "
-            "interface; TF 2.21 cannot bind one address) and has no authentication: anyone who "
-            f"can connect to port {port} can run any TensorFlow op in this process (read and "
-            f"write files, run programs) as user {getpass.getuser()}. This worker exits by "
-            f"itself after {lifetime_s:g} s (at {ends}){parent}. {where}")
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from graphfit.baechi.cluster import Task, parse_cluster_spec, serve_worker
+    from graphfit.baechi.cluster import Task, exposure_warning, parse_cluster_spec, serve_worker
     from graphfit.baechi.netns import network_interfaces
 
     try:
