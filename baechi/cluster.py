@@ -57,8 +57,7 @@ from graphfit.baechi.run import RunTarget
 from graphfit.profiler.session import session_config
 
 __all__ = ["Cluster", "ClusterError", "LocalCluster", "Task", "WORKER_JOB", "exposure_warning",
-           "parse_cluster_spec",
-           "probe", "read_worker_info", "serve_worker"]
+           "parse_cluster_spec", "probe", "read_worker_info", "serve_worker"]
 
 WORKER_JOB = "worker"
 # Where a worker publishes its handshake record: a string resource variable of its own process.

@@ -16,7 +16,6 @@ process. The binary says so on stderr when it starts.
 from __future__ import annotations
 
 import sys
-import time
 
 from absl import app, flags
 
