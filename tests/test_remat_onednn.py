@@ -109,7 +109,10 @@ def _optimize_report() -> dict:
     """Run in a subprocess (oneDNN is chosen when TF loads): optimize at ``RATIO``."""
     from graphfit.baechi.pipeline import optimize
 
-    report = optimize(_resnet_style_step(), memory_ratio=RATIO, progress=None).report()["remat"]
+    # Costs are measured on a loaded machine: a generous overhead limit keeps DTR from
+    # declaring thrashing on noise (the test is about fitting and running, not overhead).
+    report = optimize(_resnet_style_step(), memory_ratio=RATIO, remat_overhead_limit=4.0,
+                      progress=None).report()["remat"]
     return {key: value for key, value in report.items() if not isinstance(value, (dict, list))}
 
 

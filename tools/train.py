@@ -87,8 +87,11 @@ def _model_kwargs() -> dict:
     return kwargs
 
 
-def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "") -> dict:
-    """Run the step ``warmup + steps`` times; median step time, final loss and the peak bytes:
+def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: str = "",
+              config=None) -> dict:
+    """Run the step ``warmup + steps`` times in a session with ``config`` (default: the
+    project's ``profiler.session.session_config``); median step time, final loss and the peak
+    bytes:
     the allocator's high-water mark over the measured steps (CPU:0's allocator is shared by all
     virtual CPU devices; with a gRPC ``target`` it is this client's, not the workers'), or, if
     the allocator keeps no statistics (``profiler.trace.AllocatorPeak``), the peak replayed
@@ -97,7 +100,7 @@ def run_steps(item, steps: int, warmup: int, num_cpu_devices: int = 1, target: s
     from graphfit.profiler.trace import AllocatorPeak, step_fetches, traced_peak_bytes
 
     times_ms, losses = [], []
-    with make_session(item.graph, num_cpu_devices, target) as session:
+    with make_session(item.graph, num_cpu_devices, target, config) as session:
         session.run(item.init_op)
         feeds = item.feed_dict()
         fetches = step_fetches(item)[:2]
@@ -174,7 +177,8 @@ def _print_report(result) -> None:
             f"planned {remat['planned_peak_bytes'] / 2**20:.1f} MiB, measured "
             f"{remat['measured_peak_bytes'] / 2**20:.1f} MiB (baseline "
             f"{remat['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
-            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x; "
+            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x "
+            f"({remat['overhead_vs_user']:.2f}x the step under TF's defaults); "
             f"{remat['num_recomputes']} recomputations; loss/gradients match: "
             f"{remat['loss_match'] and remat['gradients_match']}")
     placement = result.placement
@@ -224,6 +228,7 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     from graphfit.baechi.lp import LPSolverError
     from graphfit.baechi.run import LocalCluster, local_target
     from graphfit.baechi.schedule import PlacementError
+    from graphfit.profiler.session import user_config
     from graphfit.remat.pipeline import BudgetError
 
     budget = _budget()
@@ -246,6 +251,10 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
                 item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
         run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.num_cpu_devices,
                         target.target)
+        # The input as the user runs it: TF's default configuration, one device.
+        run["user_step_time_ms_median"] = run_steps(
+            item, FLAGS.steps, FLAGS.warmup_steps, config=user_config())["step_time_ms_median"]
+        run["overhead_vs_user"] = run["step_time_ms_median"] / run["user_step_time_ms_median"]
     if placing:  # the shared allocator cannot tell devices apart: report the worst device
         run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
     return run
@@ -270,7 +279,8 @@ def main(argv):
     result = report["run"] = _optimize_and_run(item, profile, report)
     atomic_write_json(FLAGS.report_path, report)
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
-          f"{FLAGS.steps}), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
+          f"{FLAGS.steps}; {result['overhead_vs_user']:.2f}x the input under TF's defaults, "
+          f"{result['user_step_time_ms_median']:.1f} ms), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
           f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; "
           f"report {FLAGS.report_path}")
 
