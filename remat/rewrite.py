@@ -54,14 +54,15 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
 
-Grappler: rewritten graphs must run under ``profiler.session.session_config`` (meta optimizer
-off, classic optimizer at L0 without CSE or constant folding). The passes that would undo the
-rewrite are Grappler's arithmetic optimizer and the classic common-subexpression elimination
-(a clone has the same op, attributes and inputs as its original, so they are merged back into
-one node, which then lives from the forward to the backward pass), Grappler's dependency
-optimizer (it prunes control edges it deems redundant, i.e. exactly the edges that hold clones
-back) and constant folding / the remapper (they rename and fuse nodes, so plan and graph stop
-matching). The baseline is measured under the same configuration.
+Grappler: rewritten graphs run under ``profiler.session.session_config``, which keeps
+Grappler and the classic optimizer on (without the dependency optimizer, which would strip the
+edges that keep oneDNN's merge away; see there). Common-subexpression elimination (Grappler's
+arithmetic optimizer and the classic pass) would merge a clone with the same op, attributes
+and inputs back into its original (measured: a clone of a ``Relu`` reading the original's
+input is gone from the trace under TF's defaults), and the original would then live from the
+forward to the backward pass. Every clone therefore carries the attribute ``CLONE_ATTR``
+(its version): both passes compare attributes, so a clone is never equal to its original
+(measured: the same clone with the attribute runs).
 
 Pre- and postconditions are checked: the cost graph describes this graph, the rewritten step is
 acyclic, every pinned node (every clone at least) keeps its edge from the node of the plan event
@@ -80,7 +81,7 @@ from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
-__all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
+__all__ = ["PIN_ORDERS", "CLONE_ATTR", "RematRewriteError", "rewrite", "clone_name",
            "check_recomputable"]
 
 
@@ -88,6 +89,10 @@ __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
 
 class RematRewriteError(ValueError):
     """A plan cannot be lowered into the graph (unsafe clone, mismatched graph, cycle)."""
+
+
+# An internal attribute (TF accepts any ``_``-prefixed one) marking a clone and its version.
+CLONE_ATTR = "_remat_clone"
 
 
 def clone_name(op_name: str, version: int) -> str:
@@ -351,6 +356,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             node = tf.compat.v1.NodeDef()
             node.CopyFrom(nodes[op_name])
             node.name = clone_name(op_name, clone_count[op_name])
+            node.attr[CLONE_ATTR].i = clone_count[op_name]     # unequal for CSE (docstring)
             if node.name in nodes:
                 raise RematRewriteError(
                     f"cannot name the clone {node.name!r}: the graph already has that node")

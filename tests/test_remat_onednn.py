@@ -62,56 +62,15 @@ def test_pair_with_the_same_control_inputs_is_kept_apart():
     assert "^conv" in _inputs(graph_def, "bias_add")
 
 
-def _resnet_style_step(batch: int = 16, size: int = 32):
-    """A Keras ResNet-style classifier (ZeroPadding2D, Conv2D with bias, BatchNorm, residual
-    adds, a strided projection) and its ``tf.function`` SGD step, traced as a GraphItem."""
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import keras
-    import numpy as np
-
-    from graphfit.profiler.tf_function import graph_item_from_function
-
-    def block(x, filters, stride):
-        y = keras.layers.ZeroPadding2D(1)(x)
-        y = keras.layers.Conv2D(filters, 3, strides=stride)(y)
-        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
-        y = keras.layers.BatchNormalization()(keras.layers.Conv2D(filters, 3, padding="same")(y))
-        if stride != 1 or x.shape[-1] != filters:
-            x = keras.layers.BatchNormalization()(keras.layers.Conv2D(filters, 1, stride)(x))
-        return keras.layers.ReLU()(keras.layers.Add()([y, x]))
-
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((size, size, 3))
-    x = keras.layers.Conv2D(16, 7, strides=2)(keras.layers.ZeroPadding2D(3)(inputs))
-    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
-    for filters, stride in ((16, 1), (16, 1), (32, 2), (32, 1)):
-        x = block(x, filters, stride)
-    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x))
-    model = keras.Model(inputs, outputs)
-    optimizer = keras.optimizers.SGD(0.01)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    rng = np.random.default_rng(0)
-    batch_x = rng.standard_normal((batch, size, size, 3), dtype=np.float32)
-    batch_y = rng.integers(0, 10, batch).astype(np.int32)
-    return graph_item_from_function(train_step, batch_x, batch_y, name="keras_resnet_style")
-
-
 def _optimize_report() -> dict:
     """Run in a subprocess (oneDNN is chosen when TF loads): optimize at ``RATIO``."""
     from graphfit.baechi.pipeline import optimize
+    from graphfit.tools.bench_grappler import keras_step
 
     # Costs are measured on a loaded machine: a generous overhead limit keeps DTR from
     # declaring thrashing on noise (the test is about fitting and running, not overhead).
-    report = optimize(_resnet_style_step(), memory_ratio=RATIO, remat_overhead_limit=4.0,
+    # keras_step("conv"): ZeroPadding2D, Conv2D with bias, BatchNorm, residual adds.
+    report = optimize(keras_step("conv", batch=16), memory_ratio=RATIO, remat_overhead_limit=4.0,
                       progress=None).report()["remat"]
     return {key: value for key, value in report.items() if not isinstance(value, (dict, list))}
 

@@ -62,6 +62,38 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
     compare_steps(item, rewritten).check()
 
 
+def test_clones_survive_grappler_under_the_project_config():
+    """Grappler and the classic optimizer run (session_config); CSE would merge a clone back
+    into its original, the clone attribute keeps it: every clone (or the fused node named
+    after the last clone of its chain) runs."""
+    import tensorflow as tf
+
+    from graphfit.profiler.session import make_session
+
+    item = models.build("mlp", preset="tiny")
+    graph = _step_graph(item)
+    rewritten = rewrite(item, graph, plan_from_schedule(
+        graph, _recompute_layer0_before_backward(graph), None, "hand"))
+    # Without its pinning edge the first clone has its original's op and inputs: only the
+    # attribute tells them apart (a plan does this when a clone's previous event is its input).
+    graph_def = rewritten.graph.as_graph_def()
+    clone = next(node for node in graph_def.node if node.name == "layer_0/MatMul/remat_1")
+    kept = [name for name in clone.input if not name.startswith("^")]
+    del clone.input[:]
+    clone.input.extend(kept)
+    unpinned = tf.Graph()
+    with unpinned.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    rewritten = rewritten.with_graph(unpinned)
+    metadata = tf.compat.v1.RunMetadata()
+    with make_session(rewritten.graph) as session:
+        session.run(rewritten.init_op)
+        session.run([rewritten.train_op, rewritten.loss], rewritten.feed_dict(),
+                    options=tf.compat.v1.RunOptions(trace_level=3), run_metadata=metadata)
+    ran = {ns.node_name for d in metadata.step_stats.dev_stats for ns in d.node_stats}
+    assert "layer_0/Relu/remat_1" in ran and "layer_0/Relu" in ran
+
+
 def test_pin_order_clones_adds_one_edge_per_clone():
     item = models.build("mlp", preset="tiny")
     graph = _step_graph(item)

@@ -25,6 +25,7 @@ BENCHMARKS = {
     "remat_traces": "graphfit.tools.bench_remat_traces",
     "remat_milp": "graphfit.tools.bench_remat_milp",
     "placement": "graphfit.tools.bench_placement",
+    "grappler": "graphfit.tools.bench_grappler",
 }
 
 
