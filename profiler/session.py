@@ -1,22 +1,23 @@
 """The session configurations of the project: the one every optimized step runs and is measured
 with, and the user's own (TF's defaults), which reports compare against.
 
-``session_config`` keeps Grappler and the classic graph optimizer at TF's defaults, with one
-exception, the dependency optimizer:
+``session_config`` keeps Grappler at TF's defaults, with three exceptions:
 
-- **On** (TF's defaults): the arithmetic optimizer, common-subgraph elimination, constant
-  folding, the remapper (it fuses e.g. ``MatMul`` + ``BiasAdd`` + ``Relu`` into one
-  ``_FusedMatMul`` named after the last op, also in clones), the layout, loop, shape,
-  function, memory (default level), pin-to-host and implementation-selector optimizers, and
-  the classic optimizer at L1 (CSE, constant folding). None of them undoes a plan. CSE
-  would merge a clone that reads its original's inputs back into the original (measured: such
-  a ``Relu`` clone is gone from the trace under TF's defaults); every clone carries an
-  attribute of its own (``remat.rewrite.CLONE_ATTR``), and both CSE passes compare
-  attributes, so it stays (measured: the same clone with the attribute runs). Measured on the mlp
-  ``activations`` preset at ratio 0.5 (59 clones, plan 143.02 MB): the rewritten step's
-  replayed peak was 143.05 MB under TF's defaults and under TF's defaults minus, one at a
-  time, the arithmetic optimizer, CSE, the dependency optimizer, constant folding and the
-  remapper, against 143.02 MB with Grappler off.
+- **On** (TF's defaults): the arithmetic optimizer (without its common-subgraph elimination),
+  constant folding, the remapper (it fuses e.g. ``MatMul`` + ``BiasAdd`` + ``Relu`` into one
+  ``_FusedMatMul`` named after the last op, clones too), the layout, loop, shape, function,
+  memory (default level), pin-to-host and implementation-selector optimizers. None of them
+  undoes a plan. Measured on the mlp ``activations`` preset at ratio 0.5 (59 clones, plan
+  143.02 MB): the rewritten step's replayed peak was 143.05 MB under TF's defaults, and the
+  same with, one at a time, the arithmetic optimizer, CSE, the dependency optimizer, constant
+  folding or the remapper off, against 143.02 MB with Grappler off.
+- **Off: common-subgraph elimination, Grappler's and the classic optimizer's** (the classic
+  one forces its CSE on at L1, so it runs at L0). A clone whose inputs are its original's
+  (a plan does this when the clone's previous event is its own input, so no ordering edge is
+  added) is merged with the original; after the remapper fused both, even an attribute that
+  tells them apart is gone. Measured on the tiny mlp with such a clone: under TF's defaults
+  the original ``layer_0/Relu`` no longer runs (the clone's fused node serves both, holding
+  the activation through the backward pass); with both CSEs off both run.
 - **Off: the dependency optimizer.** It removes control edges that other paths imply
   (transitive reduction) and control inputs that repeat a data input. The rewrite adds
   exactly such edges to keep oneDNN's run-time merge (``MklLayoutRewritePass``, which runs
@@ -44,12 +45,17 @@ def user_config(num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
 
 
 def session_config(num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
-    """The project's configuration: TF's defaults without the dependency optimizer (module
-    docstring). Soft placement stays off so an op pinned to a device runs there or fails
+    """The project's configuration: TF's defaults without CSE and the dependency optimizer
+    (module docstring). Soft placement stays off so an op pinned to a device runs there or fails
     loudly."""
     config = user_config(num_cpu_devices)
-    config.graph_options.rewrite_options.dependency_optimization = (
-        rewriter_config_pb2.RewriterConfig.OFF)
+    rewrite_options = config.graph_options.rewrite_options
+    rewrite_options.dependency_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    rewrite_options.common_subgraph_elimination = rewriter_config_pb2.RewriterConfig.OFF
+    # The classic optimizer forces its CSE on at L1 (TF's default): L0, without CSE.
+    options = config.graph_options.optimizer_options
+    options.opt_level = tf.compat.v1.OptimizerOptions.L0
+    options.do_common_subexpression_elimination = False
     return config
 
 

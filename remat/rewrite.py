@@ -54,15 +54,14 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
 
-Grappler: rewritten graphs run under ``profiler.session.session_config``, which keeps
-Grappler and the classic optimizer on (without the dependency optimizer, which would strip the
-edges that keep oneDNN's merge away; see there). Common-subexpression elimination (Grappler's
-arithmetic optimizer and the classic pass) would merge a clone with the same op, attributes
-and inputs back into its original (measured: a clone of a ``Relu`` reading the original's
-input is gone from the trace under TF's defaults), and the original would then live from the
-forward to the backward pass. Every clone therefore carries the attribute ``CLONE_ATTR``
-(its version): both passes compare attributes, so a clone is never equal to its original
-(measured: the same clone with the attribute runs).
+Grappler: rewritten graphs run under ``profiler.session.session_config``: Grappler at TF's
+defaults without common-subgraph elimination and the dependency optimizer, the classic
+optimizer at L0. CSE would merge a clone with the same op, attributes and inputs back into its
+original, which then lives from the forward to the backward pass. An attribute on the clone
+is not enough: the remapper fuses ``MatMul`` + ``BiasAdd`` + ``Relu`` clones into a
+``_FusedMatMul`` without it, and CSE then merges the original's fused node into the clone's
+(measured on the tiny mlp: the original ``layer_0/Relu`` is gone from the trace). The
+dependency optimizer would strip the edges that keep oneDNN's merge away (above).
 
 Pre- and postconditions are checked: the cost graph describes this graph, the rewritten step is
 acyclic, every pinned node (every clone at least) keeps its edge from the node of the plan event
@@ -81,7 +80,7 @@ from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
-__all__ = ["PIN_ORDERS", "CLONE_ATTR", "RematRewriteError", "rewrite", "clone_name",
+__all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
            "check_recomputable"]
 
 
@@ -89,10 +88,6 @@ __all__ = ["PIN_ORDERS", "CLONE_ATTR", "RematRewriteError", "rewrite", "clone_na
 
 class RematRewriteError(ValueError):
     """A plan cannot be lowered into the graph (unsafe clone, mismatched graph, cycle)."""
-
-
-# An internal attribute (TF accepts any ``_``-prefixed one) marking a clone and its version.
-CLONE_ATTR = "_remat_clone"
 
 
 def clone_name(op_name: str, version: int) -> str:
@@ -356,7 +351,6 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             node = tf.compat.v1.NodeDef()
             node.CopyFrom(nodes[op_name])
             node.name = clone_name(op_name, clone_count[op_name])
-            node.attr[CLONE_ATTR].i = clone_count[op_name]     # unequal for CSE (docstring)
             if node.name in nodes:
                 raise RematRewriteError(
                     f"cannot name the clone {node.name!r}: the graph already has that node")

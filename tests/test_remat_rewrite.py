@@ -63,9 +63,9 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
 
 
 def test_clones_survive_grappler_under_the_project_config():
-    """Grappler and the classic optimizer run (session_config); CSE would merge a clone back
-    into its original, the clone attribute keeps it: every clone (or the fused node named
-    after the last clone of its chain) runs."""
+    """Grappler runs (session_config) without CSE, which would merge a clone reading its
+    original's inputs with the original (after the remapper fused both): the original and the
+    clone (the fused node named after the last op of each chain) both run."""
     import tensorflow as tf
 
     from graphfit.profiler.session import make_session
@@ -74,8 +74,8 @@ def test_clones_survive_grappler_under_the_project_config():
     graph = _step_graph(item)
     rewritten = rewrite(item, graph, plan_from_schedule(
         graph, _recompute_layer0_before_backward(graph), None, "hand"))
-    # Without its pinning edge the first clone has its original's op and inputs: only the
-    # attribute tells them apart (a plan does this when a clone's previous event is its input).
+    # Without its pinning edge the first clone has its original's op and inputs (a plan does
+    # this when a clone's previous event is its own input).
     graph_def = rewritten.graph.as_graph_def()
     clone = next(node for node in graph_def.node if node.name == "layer_0/MatMul/remat_1")
     kept = [name for name in clone.input if not name.startswith("^")]
