@@ -17,7 +17,7 @@ Per model (zoo ``activations`` presets, Keras conv / depthwise-conv / attention 
   the user's (paired).
 
 The machine may be shared: every time is a median of paired runs, and the JSON records the
-load average. ``--quick`` runs small shapes only. Writes ``bench/results/grappler.json`` and
+load average. ``--quick`` runs smaller batches. Writes ``bench/results/grappler.json`` and
 ``grappler.png``.
 
     python -m graphfit.tools.bench_grappler [--quick]
@@ -183,13 +183,17 @@ def bench_model(name: str, item: GraphItem, rounds: int) -> dict:
     return row
 
 
+# --quick: the zoo ``activations`` presets at a smaller batch (activations still dominate).
+QUICK_BATCH = {"mlp": 1024, "resnet": 16, "transformer": 4}
+
+
 def _models(quick: bool) -> list[tuple[str, GraphItem]]:
-    zoo = ("mlp", "resnet", "transformer")
-    preset = "default" if quick else "activations"
-    batch = 8 if quick else 32
-    return ([(f"{name}/{preset}", models.build(name, preset=preset)) for name in zoo]
-            + [(f"keras_{kind}", keras_step(kind, batch=batch))
-               for kind in ("conv", "depthwise", "attention")])
+    zoo = [(f"{name}/activations" + (f" batch {batch}" if quick else ""),
+            models.build(name, preset="activations", **({"batch_size": batch} if quick else {})))
+           for name, batch in QUICK_BATCH.items()]
+    batch = 16 if quick else 64
+    return zoo + [(f"keras_{kind} batch {batch}", keras_step(kind, batch=batch))
+                  for kind in ("conv", "depthwise", "attention")]
 
 
 def _plot(rows: list[dict]) -> None:
