@@ -231,6 +231,8 @@ def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
     taken = {}
     for port in range(len(output_bytes)):
         if port not in allocated:
+            if spec.op_type in IDENTITY_OP_TYPES:
+                output_bytes[port] = 0   # a view, whatever Grappler pruned from the trace
             continue            # not traced: keep the profile's (or static) estimate
         source = input_address.get(address.get(port))
         if source is not None:
