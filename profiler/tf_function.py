@@ -47,8 +47,9 @@ Example (``train_step`` a Keras 3 ``@tf.function`` step returning the loss)::
     step = to_callable(rewritten)                          # trains the Keras model
     loss = step(x_batch, y_batch)
 
-Runs of the callable use the project's session configuration (Grappler and the classic
-optimizer off, ``profiler.session.session_config``), so a rematerialized step keeps its clones.
+Runs of the callable use the project's session configuration (``profiler.session.
+session_config``: Grappler at TF's defaults without CSE and the dependency optimizer), under
+which a rematerialized step keeps its clones and ordering edges.
 """
 
 from __future__ import annotations
@@ -300,8 +301,8 @@ def _data_values(signature: list[Any], args: tuple) -> list[Any]:
 
 @contextlib.contextmanager
 def _project_function_options() -> Iterator[None]:
-    """Run eager function calls with the project's session config (Grappler off), as every
-    run in the project does; a rewrite would otherwise be undone by CSE."""
+    """Run eager function calls with the project's session config, as every run in the
+    project does (``profiler.session``)."""
     ctx = eager_context.context()
     previous = ctx.function_call_options
     options = eager_context.FunctionCallOptions(

@@ -21,6 +21,11 @@ would change the allocator the user's own steps run with. Without statistics the
 peak is ``None`` and every peak is the replay of allocation records, which TF keeps with every
 allocator (the records are the primary measurement in both modes).
 
+Grappler (``profiler.session``) and oneDNN run some ops inside another node (the remapper's
+``_FusedMatMul`` carries the name of the ``Relu`` it ends with) or fold them away: such an op,
+all of whose readers were measured, costs 0 in the profile (no time, no output buffer): its
+work and its result are its reader's.
+
 Runtime-inserted nodes (``_SOURCE``, ``_Send``/``_Recv``, ``_arg_*``/``_retval_*``) are not graph
 ops and are ignored; fed placeholders are costed exactly from their feeds.
 """
@@ -205,6 +210,25 @@ def profile_from_run_metadata(graph: tf.Graph, runs: list[tf.compat.v1.RunMetada
     return costs, devices
 
 
+def _fused_ops(step_ops: list[tf.Operation], costs: dict[str, OpCost]) -> list[str]:
+    """Step ops the trace misses whose every reader was measured or is such an op itself:
+    ops Grappler's remapper or oneDNN ran inside a reader (``MatMul`` + ``BiasAdd`` + ``Relu``
+    as one ``_FusedMatMul`` under the ``Relu``'s name), or that Grappler folded or pruned."""
+    names = {op.name for op in step_ops}
+    missed = {op.name: [c.name for t in op.outputs for c in t.consumers() if c.name in names]
+              for op in step_ops if op.name not in costs}
+    fused: set[str] = set()
+    changed = True
+    while changed:                       # a chain of fused ops joins from its measured end
+        changed = False
+        for name, readers in missed.items():
+            if name not in fused and readers and all(r in costs or r in fused
+                                                     for r in readers):
+                fused.add(name)
+                changed = True
+    return sorted(fused)
+
+
 def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every: int = 2,
                   num_cpu_devices: int = 1, target: str = "",
                   progress: bool | None = True,
@@ -253,6 +277,9 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                 if allocator.bytes is not None:
                     allocator_peaks.append(allocator.bytes)
     costs, devices = profile_from_run_metadata(item.graph, runs, op_names)
+    fused = _fused_ops(step_ops, costs)
+    costs.update((name, OpCost(compute_us=0.0, output_bytes=[0] * len(
+        item.graph.get_operation_by_name(name).outputs))) for name in fused)
     for name, value in item.feeds.items():
         op_name = name.split(":")[0]
         costs.setdefault(op_name, OpCost(compute_us=0.0, output_bytes=[int(value.nbytes)]))
@@ -263,4 +290,5 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         metadata={"model": item.name, "config": item.config, "steps": steps,
                   "warmup": warmup, "trace_every": trace_every,
                   "traced_steps": len(runs), "num_cpu_devices": num_cpu_devices,
+                  "fused_ops": len(fused),
                   "allocator_peak_bytes": allocator_peaks})

@@ -9,7 +9,8 @@ the rewritten training step under the project's one session configuration and re
   (``profiler.trace.AllocatorPeak``; ``None`` with TF's default CPU allocator), for both graphs;
 - the measured overhead: the median, over rounds, of the rewritten step's time over the
   original's, the two run alternately in two open sessions so that both see the same load
-  (this machine is shared and noisy);
+  (this machine is shared and noisy); and the same against the original as the user runs it,
+  under TF's default configuration (``overhead_vs_user``);
 - whether one step from identical initial variables gives the same loss and gradients
   (``profiler.step_compare.compare_steps``): a rewrite must change when things are computed,
   never what.
@@ -25,9 +26,11 @@ import statistics
 import time
 from typing import Any
 
+import tensorflow as tf
+
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
-from graphfit.profiler.session import make_session
+from graphfit.profiler.session import make_session, user_config
 from graphfit.profiler.step_compare import compare_steps
 from graphfit.profiler.trace import profile_graph
 from graphfit.remat.plan import RematPlan
@@ -72,18 +75,22 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1,
 
 
 def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
-                    warmup: int = 1) -> float:
+                    warmup: int = 1, original_config: tf.compat.v1.ConfigProto | None = None
+                    ) -> tuple[float, float]:
     """Median over ``rounds`` of (rewritten step time / original step time), the two steps of
-    a round run back to back in two open sessions."""
+    a round run back to back in two open sessions, and the original's median step time (µs).
+    The original runs with ``original_config`` (default: the project's ``session_config``, as
+    the rewritten step)."""
     fetches = [[item.train_op, item.loss] for item in (original, rewritten)]
-    with make_session(original.graph) as first, make_session(rewritten.graph) as second:
+    with make_session(original.graph, config=original_config) as first, \
+            make_session(rewritten.graph) as second:
         sessions = (first, second)
         feeds = [item.feed_dict() for item in (original, rewritten)]
         for session, item, feed, fetch in zip(sessions, (original, rewritten), feeds, fetches):
             session.run(item.init_op)
             for _ in range(warmup):
                 session.run(fetch, feed)
-        ratios = []
+        ratios, original_us = [], []
         for _ in range(rounds):
             times = []
             for session, feed, fetch in zip(sessions, feeds, fetches):
@@ -91,7 +98,8 @@ def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
                 session.run(fetch, feed)
                 times.append(time.perf_counter() - begin)
             ratios.append(times[1] / times[0])
-    return statistics.median(ratios)
+            original_us.append(times[0] * 1e6)
+    return statistics.median(ratios), statistics.median(original_us)
 
 
 def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
@@ -109,7 +117,10 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
     Returns:
         A JSON-ready report: budget, planned / measured (records and allocator) peaks of both
         graphs, ``peak_ratio`` (measured / baseline, records), ``prediction_error`` (measured /
-        planned - 1), planned and measured (``paired_overhead``) overhead, step times of the
+        planned - 1), planned and measured (``paired_overhead``, both steps under the project's
+        session configuration) overhead, ``overhead_vs_user`` (the rewritten step against the
+        original under TF's defaults, ``profiler.session.user_config``, whose step time is
+        ``user_step_time_us``), step times of the
         separate measurements, loss / gradient match (``compare_steps``: ``loss_match``,
         ``gradients_match``, ``max_abs_gradient_diff``, ``seeded_random_ops``, ``loss``).
 
@@ -121,6 +132,10 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
     measured = measure_step(rewritten, steps, warmup)
     comparison = compare_steps(original, rewritten)
     comparison.check()  # a rewrite that changes the loss or gradients is a bug, not a figure
+    rounds = max(steps, 3)
+    overhead, _ = paired_overhead(original, rewritten, rounds, warmup)
+    overhead_vs_user, user_step_us = paired_overhead(original, rewritten, rounds, warmup,
+                                                     original_config=user_config())
     return {
         "method": plan.method,
         "budget_bytes": int(plan.budget_bytes),
@@ -137,7 +152,10 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                                  is not None else None),
         "prediction_error": measured.peak_bytes / plan.peak_bytes - 1.0,
         "planned_overhead": plan.overhead,
-        "measured_overhead": paired_overhead(original, rewritten, max(steps, 3), warmup),
+        "measured_overhead": overhead,
+        # Against the step as the user runs it (TF's default configuration).
+        "overhead_vs_user": overhead_vs_user,
+        "user_step_time_us": user_step_us,
         "baseline_step_time_us": baseline.step_time_us,
         "step_time_us": measured.step_time_us,
         "num_recomputes": plan.num_recomputes,

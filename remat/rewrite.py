@@ -21,7 +21,8 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   inter-op threads then run a clone next to the forward ops of another segment (measured on
   the 16-layer MLP: a clone of layer 3 running beside layer 15's, +20 MiB over the plan). The
   default ``pin_order="tail"`` chains every node in plan order (one edge per node, skipped
-  where a data edge already orders the pair) from the backward pass on: from the first op
+  where a data edge already orders the pair, and for source nodes, such as variable handles,
+  which an initialiser may read) from the backward pass on: from the first op
   outside the loss's fan-in that reads a tensor the forward pass computed, or from the first
   recomputation if that comes earlier. The backward pass then runs exactly in the plan's
   order, as the memory prediction assumes, while each kernel keeps its intra-op threads.
@@ -32,18 +33,35 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
   calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
   it too cost Inception-V3 10-25 % step time).
+- **oneDNN's run-time fusions.** With oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``), TF's
+  ``MklLayoutRewritePass`` runs after Grappler, on the graph the session executes, and merges
+  node pairs into one node (``remat.tf_memory.FUSABLE_PAIRS``: ``Conv2D`` + ``BiasAdd``, ``Pad``
+  + ``Conv2D`` or ``_FusedConv2D``, ``Conv2DBackpropFilter`` + ``BiasAddGrad``). It merges a
+  pair when the first's output feeds only the second (or, for the gradient pair, both read the
+  same gradient), on one device, and both have the same control inputs; the merged node takes
+  the inputs and outputs, data and control, of both. A pair that the plan's ordering edges
+  connect through a third node (first -> ... -> X -> second) would become a cycle (measured on a
+  Keras ResNet-50: ``Retval[0] does not have value``, or ``nodes in a cycle``), and a pair whose
+  two nodes have the same, non-empty control inputs aborts the process (the merge checks that
+  each node has only its data inputs: ``Check failed: pred->in_edges().size() == 2``). The
+  rewrite checks every such pair of the rewritten graph and gives a pair of either kind a
+  control edge from its earlier to its later node: the two control sets then differ and the pass
+  leaves the pair unfused. Most pinned pairs are unfused anyway (the first waits for the
+  previous plan event, the second only for the first), so oneDNN fuses mainly in the unpinned
+  forward pass. The planning graph keeps such a pair in one node (``remat.tf_memory``), so a
+  plan never puts another op between the two.
 - **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
 
-Grappler: rewritten graphs must run under ``profiler.session.session_config`` (meta optimizer
-off, classic optimizer at L0 without CSE or constant folding). The passes that would undo the
-rewrite are Grappler's arithmetic optimizer and the classic common-subexpression elimination
-(a clone has the same op, attributes and inputs as its original, so they are merged back into
-one node, which then lives from the forward to the backward pass), Grappler's dependency
-optimizer (it prunes control edges it deems redundant, i.e. exactly the edges that hold clones
-back) and constant folding / the remapper (they rename and fuse nodes, so plan and graph stop
-matching). The baseline is measured under the same configuration.
+Grappler: rewritten graphs run under ``profiler.session.session_config``: Grappler at TF's
+defaults without common-subgraph elimination and the dependency optimizer, the classic
+optimizer at L0. CSE would merge a clone with the same op, attributes and inputs back into its
+original, which then lives from the forward to the backward pass. An attribute on the clone
+is not enough: the remapper fuses ``MatMul`` + ``BiasAdd`` + ``Relu`` clones into a
+``_FusedMatMul`` without it, and CSE then merges the original's fused node into the clone's
+(measured on the tiny mlp: the original ``layer_0/Relu`` is gone from the trace). The
+dependency optimizer would strip the edges that keep oneDNN's merge away (above).
 
 Pre- and postconditions are checked: the cost graph describes this graph, the rewritten step is
 acyclic, every pinned node (every clone at least) keeps its edge from the node of the plan event
@@ -61,10 +79,13 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.remat.recompute_graph import clone_name
-from graphfit.remat.tf_memory import IDENTITY_OP_TYPES
+from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
-__all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name", "check_recomputable"]
+__all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
+           "check_recomputable"]
+
+
 
 
 class RematRewriteError(GraphfitError, ValueError):
@@ -119,45 +140,126 @@ def _check_plan_matches(graph_def: tf.compat.v1.GraphDef, cost_graph: CostGraph,
             raise RematRewriteError(f"unknown plan event kind {event.kind!r}")
 
 
-def _check_acyclic(graph_def: tf.compat.v1.GraphDef) -> None:
-    """Kahn's algorithm over data and control edges; raise naming a node on a cycle."""
-    successors = collections.defaultdict(list)
-    indegree = {node.name: 0 for node in graph_def.node}
+def _successors(graph_def: tf.compat.v1.GraphDef) -> dict[str, set[str]]:
+    """Node -> the nodes reading it (data or control); raise on an input naming no node."""
+    successors: dict[str, set[str]] = {node.name: set() for node in graph_def.node}
     for node in graph_def.node:
         for name in node.input:
             producer, _ = _split_input(name)
-            if producer not in indegree:
+            if producer not in successors:
                 raise RematRewriteError(
                     f"node {node.name!r} reads {name!r}, which names no node of the rewritten "
                     "graph")
-            successors[producer].append(node.name)
-            indegree[node.name] += 1
-    ready = [name for name, d in indegree.items() if d == 0]
-    seen = 0
+            successors[producer].add(node.name)
+    return successors
+
+
+def _topological_order(successors: dict[str, set[str]]) -> list[str]:
+    """Kahn's algorithm; nodes on a cycle (and after one) are missing from the order."""
+    indegree = collections.Counter(succ for succs in successors.values() for succ in succs)
+    ready = [name for name in successors if indegree[name] == 0]
+    order = []
     while ready:
         name = ready.pop()
-        seen += 1
+        order.append(name)
         for succ in successors[name]:
             indegree[succ] -= 1
             if indegree[succ] == 0:
                 ready.append(succ)
-    if seen < len(indegree):
-        stuck = next(name for name, d in indegree.items() if d > 0)
+    return order
+
+
+def _check_acyclic(graph_def: tf.compat.v1.GraphDef) -> None:
+    """Raise naming a node on a cycle of data and control edges."""
+    successors = _successors(graph_def)
+    order = _topological_order(successors)
+    if len(order) < len(successors):
+        stuck = next(name for name in successors if name not in set(order))
         raise RematRewriteError(
             f"the rewritten graph has a cycle through {stuck!r}: the plan's order contradicts "
             "the graph's dependencies")
 
 
+def _fusable_pairs(nodes: dict) -> list[tuple[str, str]]:
+    """``(first, second)`` node pairs of ``FUSABLE_PAIRS`` the oneDNN pass could merge (the
+    first's output 0 read only by the second, or both reading the same gradient; one
+    device)."""
+    readers = collections.defaultdict(list)       # "node:port" -> reading nodes
+    for node in nodes.values():
+        for name in node.input:
+            producer, suffix = _split_input(name)
+            if suffix != "^":
+                readers[producer + (suffix or ":0")].append(node.name)
+    pairs = []
+    for first_type, second_type, port in FUSABLE_PAIRS:
+        for first in (n for n in nodes.values() if n.op == first_type):
+            if port is None:
+                if len(first.input) < 3:
+                    continue
+                producer, suffix = _split_input(first.input[2])
+                candidates = [r for r in readers[producer + (suffix or ":0")]
+                              if nodes[r].op == second_type
+                              and _split_input(nodes[r].input[0]) == (producer, suffix)]
+            else:
+                candidates = readers[first.name + ":0"]
+                if len(candidates) != 1 or nodes[candidates[0]].op != second_type or \
+                        _split_input(nodes[candidates[0]].input[port])[0] != first.name:
+                    continue
+            pairs += [(first.name, second) for second in candidates
+                      if nodes[second].device == first.device]
+    return pairs
+
+
+def _protect_fusions(graph_def: tf.compat.v1.GraphDef) -> int:
+    """Make every ``FUSABLE_PAIRS`` pair safe for oneDNN's merge (module docstring): a pair
+    connected through a third node, or whose two nodes wait for the same control inputs, gets
+    a control edge from its earlier to its later node, so the two control sets differ and the
+    pass leaves the pair unfused. The edge is implied by the graph already (or joins two nodes
+    no path joins), so what reaches what never changes and one analysis serves all pairs.
+    Returns the number of pairs left unfused."""
+    nodes = {node.name: node for node in graph_def.node}
+    successors = _successors(graph_def)
+    position = {name: k for k, name in enumerate(_topological_order(successors))}
+
+    def connected_through_another(first: str, second: str) -> bool:
+        # A path first -> ... -> second other than the direct edge, or second -> ... -> first.
+        source, target = (first, second) if position[first] < position[second] else (
+            second, first)
+        stack = [s for s in successors[source] if s != target]
+        seen = set(stack)
+        while stack:
+            name = stack.pop()
+            if name == target:
+                return True
+            for succ in successors[name]:
+                if succ not in seen and position[succ] <= position[target]:
+                    seen.add(succ)
+                    stack.append(succ)
+        return False
+
+    unfused = 0
+    for first, second in _fusable_pairs(nodes):
+        controls = [{name for name in nodes[n].input if name.startswith("^")}
+                    for n in (first, second)]
+        if connected_through_another(first, second) or controls[0] == controls[1] != set():
+            earlier, later = sorted((first, second), key=position.get)
+            if "^" + earlier not in nodes[later].input:
+                nodes[later].input.append("^" + earlier)
+            unfused += 1
+    return unfused
+
+
 def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> str | None:
-    """The first op of ``plan`` outside the loss's fan-in that reads a tensor computed in it
-    (not a constant, feed or variable read): where the backward pass starts using the forward
-    pass's tensors (``None``: no such op)."""
+    """The first op of ``plan`` outside the loss's data fan-in that reads a tensor computed in
+    it (not a constant, feed or variable read): where the backward pass starts using the
+    forward pass's tensors (``None``: no such op). Control inputs are not followed: a traced
+    ``tf.function`` returns its loss through an ``Identity`` that waits for every update."""
     forward, stack = set(), [item.graph.get_operation_by_name(item.loss.split(":")[0])]
     while stack:
         op = stack.pop()
         if op.name not in forward:
             forward.add(op.name)
-            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+            stack.extend(t.op for t in op.inputs)
     computed = {name for name in forward if any(
         t.dtype != tf.resource for t in item.graph.get_operation_by_name(name).inputs)}
     for event in plan.events:
@@ -259,7 +361,11 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             clones.append(node)
             version[op_name] = node.name
         pinning = pinning or event.kind == RECOMPUTE or op_name == backward_start
-        if event.kind == RECOMPUTE or (pin_order == "tail" and pinning and previous is not None):
+        # A source node (no inputs: a variable's handle, a constant) is never held back:
+        # nothing waits in memory for it, and the initialiser, which may read it, must not
+        # wait for the step.
+        if event.kind == RECOMPUTE or (pin_order == "tail" and pinning and previous is not None
+                                       and node.input):
             anchors[node.name] = previous
             if not any(_split_input(name)[0] == previous for name in node.input):
                 node.input.append("^" + previous)
@@ -267,6 +373,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         previous = version[op_name]
 
     graph_def.node.extend(clones)
+    unfused = _protect_fusions(graph_def)
     _check_acyclic(graph_def)
     graph = tf.Graph()
     with graph.as_default():
@@ -279,5 +386,5 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     rewritten = item.with_graph(graph)
     rewritten.config = {**item.config,
                         "remat": {"clones": len(clones), "control_edges": control_edges,
-                                  "method": plan.method}}
+                                  "unfused_pairs": unfused, "method": plan.method}}
     return rewritten

@@ -20,6 +20,12 @@ allocates, so this module calibrates a cost graph against one traced step:
   recompute only the tail of the chain: TF then cannot forward the buffer and allocates a new
   one (measured: +28 MiB over the plan on the 16-layer MLP). ``expand_plan`` turns a plan of
   chains back into a plan of ops, which clones a chain whole.
+- **Run-time fusions are one node.** Grappler's remapper (e.g. ``MatMul`` + ``BiasAdd`` +
+  ``Relu`` into ``_FusedMatMul``) and, with oneDNN on, TF's ``MklLayoutRewritePass`` (e.g.
+  ``Conv2D`` into its ``BiasAdd``, ``FUSABLE_PAIRS``) run an op inside its reader; the trace
+  shows the fused node under the last op's name and never the inner ops or their outputs.
+  An untraced op with one output read by one op joins that reader's chain: the planning
+  graph never separates the pair, and the output, which never exists, is not counted.
 - **Identities are views.** ``Identity``/``IdentityN`` outputs that are their inputs' buffers
   (and do not continue a chain) allocate nothing: they get 0 bytes, and in the planning graph
   every reader of such a view also reads the viewed tensor, whose buffer lives as long as the
@@ -60,11 +66,18 @@ from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.plan import FREE, Event, RematPlan
 
 __all__ = ["MemoryModel", "StepTrace", "trace_step", "tf_memory_model", "expand_plan",
-           "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES", "FEED_OP_TYPES"]
+           "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES", "FEED_OP_TYPES", "FUSABLE_PAIRS"]
 
 FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+_SOURCE_OP_TYPES = FEED_OP_TYPES | {"Const"}
 # Ops whose outputs are their inputs, unchanged: views of the input buffers.
 IDENTITY_OP_TYPES = frozenset({"Identity", "IdentityN"})
+# Op-type pairs oneDNN's MklLayoutRewritePass (TF's mkl_layout_pass.cc, its merge rules) turns
+# into one node: (first, second, input port of the second that the first feeds, or None for
+# siblings reading the same tensor: Conv2DBackpropFilter's input 2, BiasAddGrad's input 0).
+FUSABLE_PAIRS = (("Conv2D", "BiasAdd", 0), ("Pad", "Conv2D", 0), ("Pad", "_FusedConv2D", 0),
+                 ("Conv2DBackpropFilter", "BiasAddGrad", None))
+
 
 
 def step_item(item: GraphItem) -> GraphItem:
@@ -152,14 +165,27 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
     # reader's chain could put the chain on a cycle through the waiting op.
     awaited = {name for spec in specs for name in spec.control_inputs}
     forwarded_into: dict[str, str] = {}   # producer -> the only reader that took its buffer
+    chained: set[str] = set()             # readers that took a producer's buffer
+    num_outputs = {spec.name: len(spec.output_bytes) for spec in specs}
+    for spec in specs:
+        for producer, port in spec.inputs:
+            if (producer not in trace.start_us and producer not in awaited and port == 0
+                    and num_outputs[producer] == 1 and readers[(producer, 0)] == 1
+                    and base.op_types[base.index[producer]] not in _SOURCE_OP_TYPES
+                    and not base.is_stateful[base.index[producer]]
+                    and spec.name not in chained):
+                forwarded_into[producer] = spec.name     # fused at run time (docstring)
+                chained.add(spec.name)
     views: dict[tuple[str, int], tuple[str, int]] = {}   # identity output -> tensor it shows
     last_reader_forwards = []             # (reader, producer, port): a shared buffer taken over
     for spec in specs:
         forwards = _calibrate(spec, trace)
         for output_port, (producer, port) in forwards.items():
             if (len(forwards) == 1 and readers[(producer, port)] == 1
-                    and len(trace.address[producer]) == 1 and producer not in awaited):
+                    and len(trace.address[producer]) == 1 and producer not in awaited
+                    and spec.name not in chained):
                 forwarded_into[producer] = spec.name
+                chained.add(spec.name)
             elif spec.op_type in IDENTITY_OP_TYPES:
                 spec.output_bytes[output_port] = 0
                 views[(spec.name, output_port)] = (producer, port)
@@ -205,6 +231,8 @@ def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
     taken = {}
     for port in range(len(output_bytes)):
         if port not in allocated:
+            if spec.op_type in IDENTITY_OP_TYPES:
+                output_bytes[port] = 0   # a view, whatever Grappler pruned from the trace
             continue            # not traced: keep the profile's (or static) estimate
         source = input_address.get(address.get(port))
         if source is not None:

@@ -62,6 +62,38 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
     compare_steps(item, rewritten).check()
 
 
+def test_clones_survive_grappler_under_the_project_config():
+    """Grappler runs (session_config) without CSE, which would merge a clone reading its
+    original's inputs with the original (after the remapper fused both): the original and the
+    clone (the fused node named after the last op of each chain) both run."""
+    import tensorflow as tf
+
+    from graphfit.profiler.session import make_session
+
+    item = models.build("mlp", preset="tiny")
+    graph = _step_graph(item)
+    rewritten = rewrite(item, graph, plan_from_schedule(
+        graph, _recompute_layer0_before_backward(graph), None, "hand"))
+    # Without its pinning edge the first clone has its original's op and inputs (a plan does
+    # this when a clone's previous event is its own input).
+    graph_def = rewritten.graph.as_graph_def()
+    clone = next(node for node in graph_def.node if node.name == "layer_0/MatMul/remat_1")
+    kept = [name for name in clone.input if not name.startswith("^")]
+    del clone.input[:]
+    clone.input.extend(kept)
+    unpinned = tf.Graph()
+    with unpinned.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    rewritten = rewritten.with_graph(unpinned)
+    metadata = tf.compat.v1.RunMetadata()
+    with make_session(rewritten.graph) as session:
+        session.run(rewritten.init_op)
+        session.run([rewritten.train_op, rewritten.loss], rewritten.feed_dict(),
+                    options=tf.compat.v1.RunOptions(trace_level=3), run_metadata=metadata)
+    ran = {ns.node_name for d in metadata.step_stats.dev_stats for ns in d.node_stats}
+    assert "layer_0/Relu/remat_1" in ran and "layer_0/Relu" in ran
+
+
 def test_pin_order_clones_adds_one_edge_per_clone():
     item = models.build("mlp", preset="tiny")
     graph = _step_graph(item)
@@ -88,6 +120,10 @@ def test_default_pin_order_chains_the_backward_pass_before_the_first_recompute()
     assert "gradients/logits/MatMul_grad/MatMul_1" in backward
     for before, after in zip(backward, backward[1:]):
         op = rewritten.graph.get_operation_by_name(after)
+        original = item.graph.get_operation_by_name(after)
+        if not original.inputs and not original.control_inputs:
+            assert not op.control_inputs       # a source node (a constant) is never held back
+            continue
         assert before in {c.name for c in op.control_inputs} | {t.op.name for t in op.inputs}
     assert not rewritten.graph.get_operation_by_name("layer_1/MatMul").control_inputs
 
@@ -196,9 +232,12 @@ def test_memory_model_sees_identity_views_and_never_chains_constants():
     item = GraphItem(graph, train_op.name, loss.name, [], init_op.name,
                      {"x:0": np.ones([64, 64], np.float32)})
     trace = trace_step(item)
-    # What a colleague's trace showed: the reshape at the constant's address, allocated.
-    trace.address["reshaped"][0] = trace.address["ones"][0]
-    trace.allocated["reshaped"][0] = True
+    # What a colleague's trace showed (Grappler, on in the project's session, folds both
+    # away): the reshape at the constant's address, allocated.
+    for name, allocated in (("ones", False), ("reshaped", True)):
+        trace.start_us.setdefault(name, 0)
+        trace.address[name] = {0: 4096}
+        trace.allocated[name] = {0: allocated}
     model = tf_memory_model(item, trace=trace)
     cost_graph, plan_graph = model.cost_graph, model.plan_graph
     assert cost_graph.output_bytes(cost_graph.index["views"]).tolist() == [0, 0, 0, 0]

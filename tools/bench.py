@@ -27,6 +27,7 @@ BENCHMARKS = {
     "placement": "graphfit.tools.bench_placement",
     "loops": "graphfit.tools.bench_loops",
     "reach": "graphfit.tools.bench_reach",
+    "grappler": "graphfit.tools.bench_grappler",
 }
 
 

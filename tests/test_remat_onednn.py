@@ -1,0 +1,93 @@
+"""The rewrite with oneDNN's run-time fusions: TF's ``MklLayoutRewritePass`` merges Conv2D into
+its BiasAdd (and Pad into Conv2D, Conv2DBackpropFilter with BiasAddGrad) after the rewrite;
+the rewrite must never hand it a pair that the merge turns into a cycle or an abort, and a
+Keras ResNet-style step must plan and run rematerialized with oneDNN on and off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from graphfit.remat.rewrite import _protect_fusions
+
+RATIO = 0.5
+
+
+def _conv_bias_graph(through_another: bool) -> tf.compat.v1.GraphDef:
+    """x -> Conv2D -> BiasAdd; with ``through_another``, the bias waits (control edge) for
+    an op that waits for the Conv2D: the path Conv2D -> wait -> bias -> BiasAdd."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [1, 4, 4, 2], name="x")
+        conv = tf.nn.conv2d(x, tf.ones([1, 1, 2, 2]), 1, "VALID", name="conv")
+        bias = tf.constant([1.0, 2.0], name="b")
+        if through_another:
+            with tf.control_dependencies([conv]):
+                wait = tf.no_op(name="wait")
+            with tf.control_dependencies([wait]):
+                bias = tf.identity(bias, name="bias_read")
+        tf.nn.bias_add(conv, bias, name="bias_add")
+    return graph.as_graph_def()
+
+
+def _inputs(graph_def, name):
+    return list(next(n for n in graph_def.node if n.name == name).input)
+
+
+def test_pair_joined_through_another_node_is_kept_apart():
+    graph_def = _conv_bias_graph(through_another=True)
+    assert _protect_fusions(graph_def) == 1
+    assert "^conv" in _inputs(graph_def, "bias_add")
+
+
+def test_pair_joined_only_by_its_own_edge_stays_fusable():
+    graph_def = _conv_bias_graph(through_another=False)
+    before = _inputs(graph_def, "bias_add")
+    assert _protect_fusions(graph_def) == 0
+    assert _inputs(graph_def, "bias_add") == before
+
+
+def test_pair_with_the_same_control_inputs_is_kept_apart():
+    """The merge aborts the process on a pair with control inputs (it checks that each node
+    has only its data inputs), so equal non-empty control sets must differ."""
+    graph_def = _conv_bias_graph(through_another=False)
+    for name in ("conv", "bias_add"):
+        next(n for n in graph_def.node if n.name == name).input.append("^x")
+    assert _protect_fusions(graph_def) == 1
+    assert "^conv" in _inputs(graph_def, "bias_add")
+
+
+def _optimize_report() -> dict:
+    """Run in a subprocess (oneDNN is chosen when TF loads): optimize at ``RATIO``."""
+    from graphfit.baechi.pipeline import optimize
+    from graphfit.tools.bench_grappler import keras_step
+
+    # Costs are measured on a loaded machine: a generous overhead limit keeps DTR from
+    # declaring thrashing on noise (the test is about fitting and running, not overhead).
+    # keras_step("conv"): ZeroPadding2D, Conv2D with bias, BatchNorm, residual adds.
+    report = optimize(keras_step("conv", batch=16), memory_ratio=RATIO, remat_overhead_limit=4.0,
+                      progress=None).report()["remat"]
+    return {key: value for key, value in report.items() if not isinstance(value, (dict, list))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_keras_resnet_style_step_fits_half_its_peak_with_onednn(onednn):
+    result = subprocess.run(
+        [sys.executable, __file__], capture_output=True, text=True, timeout=900,
+        env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn, "KERAS_BACKEND": "tensorflow"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["changed"] and report["num_recomputes"] > 0
+    assert report["loss_match"] and report["gradients_match"], report
+    assert report["measured_peak_bytes"] <= 1.05 * report["budget_bytes"], report
+    assert report["budget_bytes"] <= RATIO * report["baseline_peak_bytes"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_optimize_report()))
