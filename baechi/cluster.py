@@ -53,6 +53,7 @@ from typing import IO
 
 import tensorflow as tf
 
+from graphfit.errors import GraphfitError
 from graphfit.baechi.run import RunTarget
 from graphfit.profiler.session import session_config
 
@@ -66,7 +67,7 @@ _WHAT_TO_DO = ("check that the worker process runs (tools/worker.py, same TF ver
                "not expired) and that its port is reachable from this machine, then run again")
 
 
-class ClusterError(RuntimeError):
+class ClusterError(GraphfitError, RuntimeError):
     """A gRPC worker is missing, died, stopped answering, or is not a compatible worker."""
 
 

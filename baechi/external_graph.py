@@ -48,6 +48,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+from graphfit.errors import GraphfitError
 from graphfit.baechi.devices import Device, DeviceError, DeviceSet, LinkCost, check_link_model
 from graphfit.profiler.cost_graph import CostGraph, CostGraphError, OpSpec
 from graphfit.profiler.sizes import SizeError, parse_bytes
@@ -63,7 +64,7 @@ _EDGE_KEYS = {"src", "dst", "output", "bytes", "control"}
 _DEVICE_KEYS = {"name", "memory"}
 
 
-class ExternalGraphError(ValueError):
+class ExternalGraphError(GraphfitError, ValueError):
     """The external graph file cannot be read: the message names the entry and the problem."""
 
 

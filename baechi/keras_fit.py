@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.baechi.pipeline import OptimizeResult, optimize
 from graphfit.remat.pipeline import BudgetError
 
 __all__ = ["KerasFitError", "OptimizedStep", "optimize_model"]
 
 
-class KerasFitError(ValueError):
+class KerasFitError(GraphfitError, ValueError):
     """The model, the data or a keyword cannot be used (the message says what to change)."""
 
 

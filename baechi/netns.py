@@ -24,6 +24,8 @@ import subprocess
 import sys
 from typing import NoReturn
 
+from graphfit.errors import GraphfitError
+
 __all__ = ["NamespaceError", "bring_up_loopback", "enter_isolated_network",
            "network_interfaces", "unavailable_reason"]
 
@@ -34,7 +36,7 @@ _MARK = "GRAPHFIT_ISOLATED_NETWORK"
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
 
-class NamespaceError(RuntimeError):
+class NamespaceError(GraphfitError, RuntimeError):
     """A private network namespace cannot be had here (the reason is in the message)."""
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from graphfit.errors import GraphfitError
 from graphfit.baechi.devices import default_device_names
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import session_config
@@ -44,11 +45,11 @@ __all__ = ["DeviceMismatchError", "MemoryLimitError", "PLACEMENT_RTOL", "PlacedR
 PLACEMENT_RTOL = 1e-4
 
 
-class DeviceMismatchError(RuntimeError):
+class DeviceMismatchError(GraphfitError, RuntimeError):
     """The devices a run reports do not line up with the placement's device names."""
 
 
-class MemoryLimitError(RuntimeError):
+class MemoryLimitError(GraphfitError, RuntimeError):
     """A device's measured peak memory exceeds its limit."""
 
 

@@ -51,6 +51,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 from tensorflow.python.framework import function_def_to_graph, op_def_registry
 
+from graphfit.errors import GraphfitError
+
 __all__ = ["LoopUnrollError", "MAX_ITERATIONS", "UnrollReport", "unroll_loops"]
 
 MAX_ITERATIONS = 4096          # beyond this the unrolled step would be unreasonably large
@@ -66,7 +68,7 @@ _BINARY = {"Add": np.add, "AddV2": np.add, "Sub": np.subtract, "Mul": np.multipl
 _REDUCTIONS = {"Max": np.max, "Min": np.min, "Sum": np.sum, "Prod": np.prod}
 
 
-class LoopUnrollError(ValueError):
+class LoopUnrollError(GraphfitError, ValueError):
     """A loop of the step cannot be unrolled; the message says which and what to change."""
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from graphfit.errors import GraphfitError
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 __all__ = ["DtrLogError", "DtrTrace", "default_logs_path", "read_log", "load_trace",
@@ -50,7 +51,7 @@ __all__ = ["DtrLogError", "DtrTrace", "default_logs_path", "read_log", "load_tra
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-class DtrLogError(ValueError):
+class DtrLogError(GraphfitError, ValueError):
     """A log line is malformed or names a tensor the log never defined."""
 
 

@@ -13,13 +13,14 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 
 __all__ = ["GraphDefPassError", "split_input", "topological_order", "production_depth",
            "successors", "descendants", "ancestors", "rebuild"]
 
 
-class GraphDefPassError(ValueError):
+class GraphDefPassError(GraphfitError, ValueError):
     """A GraphDef pass produced a graph that is not a valid step (cycle, dangling name)."""
 
 
