@@ -70,8 +70,8 @@ from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.unroll_loops import LoopUnrollError, unroll_loops
 
-__all__ = ["FunctionItem", "FunctionItemError", "graph_item_from_function", "to_callable",
-           "gradient_tensors"]
+__all__ = ["FunctionItem", "FunctionItemError", "classifier_train_step",
+           "graph_item_from_function", "to_callable", "gradient_tensors"]
 
 # A name scope of the backward pass: tf.GradientTape names it ``gradient_tape``,
 # tf.gradients ``gradients``; later ones in the same graph get a ``_N`` suffix.
@@ -214,6 +214,26 @@ def gradient_tensors(graph: tf.Graph) -> list[str]:
             "name scope is read outside it. Compute gradients in the step with "
             "tf.GradientTape (or tf.gradients) and apply them there")
     return sorted(first_reader, key=first_reader.get)
+
+
+def classifier_train_step(model: Any, optimizer: Any, loss_as_dict: bool = False) -> Any:
+    """The training step a Keras 3 user writes for a classifier with logits out: a
+    ``tf.function`` of ``(x, y)`` (integer labels) that takes the sparse cross-entropy under a
+    ``GradientTape``, applies the gradients with ``optimizer`` and returns the loss (or
+    ``{"loss": loss}``). One definition for the benchmarks and tests that trace such steps."""
+    import keras
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return {"loss": loss} if loss_as_dict else loss
+
+    return train_step
 
 
 def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> FunctionItem:

@@ -12,7 +12,8 @@ import tensorflow as tf  # noqa: E402
 
 from graphfit.profiler.session import make_session  # noqa: E402
 from graphfit.profiler.tf_function import (FunctionItem, FunctionItemError,  # noqa: E402
-                                  graph_item_from_function, to_callable)
+                                           classifier_train_step, graph_item_from_function,
+                                           to_callable)
 from graphfit.profiler.trace import profile_graph  # noqa: E402
 
 WIDTH, BATCH = 32, 64
@@ -47,22 +48,6 @@ def _keras_step(seed=0, optimizer="adam"):
         return loss
 
     return model, opt, train_step
-
-
-def _classifier_step(model, opt, loss_as_dict=False):
-    """A ``tf.function`` step training ``model`` (logits out) with ``opt`` on integer labels;
-    it returns the loss, or ``{"loss": loss}``."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-        return {"loss": loss} if loss_as_dict else loss
-
-    return train_step
 
 
 def _state(model, opt):
@@ -178,7 +163,7 @@ def test_batch_norm_model_gradients_and_training_match_keras():
                                   keras.layers.BatchNormalization(),
                                   keras.layers.Flatten(), keras.layers.Dense(10)])
         opt = keras.optimizers.Adam(1e-2)
-        return model, opt, _classifier_step(model, opt, loss_as_dict=True)
+        return model, opt, classifier_train_step(model, opt, loss_as_dict=True)
 
     rng = np.random.default_rng(1)
     batch = (rng.random((16, 8, 8, 3), dtype=np.float32),
@@ -267,7 +252,7 @@ def test_optimize_rematerializes_a_keras_step_within_its_prediction():
                                     for _ in range(8)]
                                  + [keras.layers.Dense(10)])
         opt = keras.optimizers.SGD(0.01)
-        return model, opt, _classifier_step(model, opt)
+        return model, opt, classifier_train_step(model, opt)
 
     rng = np.random.default_rng(3)
     batch = (rng.standard_normal((1024, 256), dtype=np.float32),

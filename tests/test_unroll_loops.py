@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from graphfit.profiler.tf_function import (FunctionItemError,  # noqa: E402
+from graphfit.profiler.tf_function import (FunctionItemError, classifier_train_step,  # noqa: E402
                                            graph_item_from_function, to_callable)
 from graphfit.profiler.tf_import import step_operations  # noqa: E402
 from graphfit.profiler.unroll_loops import unroll_loops  # noqa: E402
@@ -34,17 +34,7 @@ def _rnn_step(layer, optimizer, stacked=False, sequence=SEQUENCE, units=UNITS):
     model = keras.Sequential([keras.Input((sequence, FEATURES)), *layers, rnn(units),
                               keras.layers.Dense(CLASSES)])
     opt = keras.optimizers.Adam(1e-2) if optimizer == "adam" else keras.optimizers.SGD(0.1)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-        return loss
-
-    return model, opt, train_step
+    return model, opt, classifier_train_step(model, opt)
 
 
 def _assert_trains_like(step, reference_step, state, reference_state):

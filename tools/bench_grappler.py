@@ -63,7 +63,7 @@ def keras_step(kind: str, batch: int = 16, size: int = 32) -> GraphItem:
     MLP) over ``size`` tokens of width 64."""
     import keras
 
-    from graphfit.profiler.tf_function import graph_item_from_function
+    from graphfit.profiler.tf_function import classifier_train_step, graph_item_from_function
 
     layers = keras.layers
     keras.utils.set_random_seed(0)
@@ -83,16 +83,7 @@ def keras_step(kind: str, batch: int = 16, size: int = 32) -> GraphItem:
         x = layers.GlobalAveragePooling2D()(x)
         shape = (batch, size, size, 3)
     model = keras.Model(inputs, layers.Dense(10)(x))
-    optimizer = keras.optimizers.SGD(0.01)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    train_step = classifier_train_step(model, keras.optimizers.SGD(0.01))
 
     rng = np.random.default_rng(0)
     batch_x = rng.standard_normal(shape, dtype=np.float32)

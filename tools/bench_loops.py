@@ -46,23 +46,13 @@ def _traced(layer: str, sequence: int, units: int, batch: int):
     with its loop bodies, seconds to trace and unroll)."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
-    import tensorflow as tf
 
-    from graphfit.profiler.tf_function import graph_item_from_function
+    from graphfit.profiler.tf_function import classifier_train_step, graph_item_from_function
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((sequence, FEATURES)),
                               getattr(keras.layers, layer)(units), keras.layers.Dense(CLASSES)])
-    optimizer = keras.optimizers.Adam(1e-3)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
-        return loss
+    train_step = classifier_train_step(model, keras.optimizers.Adam(1e-3))
 
     rng = np.random.default_rng(0)
     batch_data = (rng.standard_normal((batch, sequence, FEATURES), dtype=np.float32),

@@ -53,21 +53,9 @@ def _zoo(name: str, preset: str, **knobs) -> Callable:
 def keras_step_item(name: str, model, optimizer, x: np.ndarray, y: np.ndarray):
     """The ``tf.function`` training step of a Keras ``model`` (logits out; sparse
     cross-entropy; ``optimizer``), traced on ``(x, y)``, as a ``FunctionItem``."""
-    import keras
-    import tensorflow as tf
+    from graphfit.profiler.tf_function import classifier_train_step, graph_item_from_function
 
-    from graphfit.profiler.tf_function import graph_item_from_function
-
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
-        return loss
-
+    train_step = classifier_train_step(model, optimizer)
     return graph_item_from_function(train_step, x, y, name=name)
 
 
