@@ -40,7 +40,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.sizes import parse_bytes
 from graphfit.profiler.trace import print_progress, profile_graph
-from graphfit.remat.pipeline import GRAPH_PASSES, PLANNERS, prepare_step
+from graphfit.remat.pipeline import GRAPH_PASSES, PLANNERS, BudgetError, prepare_step
 from graphfit.remat.plan import RematPlan
 
 __all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "OptimizeResult", "PassRecord",
@@ -125,7 +125,7 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.profiler.step_compare import compare_weights
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import measure_rewrite, measure_step
-    from graphfit.remat.pipeline import BudgetError, rematerialize
+    from graphfit.remat.pipeline import rematerialize
 
     baseline = measure_step(original, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
     budget = int(budget_bytes if budget_bytes is not None
@@ -261,11 +261,29 @@ def optimize(item: GraphItem, *,
                                                         if "remat" not in skip else "skip"}))
     else:
         say(f"remat: planning with {remat_heuristic}")
-        before = item
-        item, plan, details = _remat_pass(
-            original, item, memory_budget, memory_ratio, remat_heuristic, remat_overhead_limit,
-            verify, num_cpu_devices,
-            order_updates=any(r.name == "early_updates" and r.changed for r in records))
+        remat_args = (memory_budget, memory_ratio, remat_heuristic, remat_overhead_limit, verify,
+                      num_cpu_devices)
+        try:
+            before = item
+            item, plan, details = _remat_pass(
+                original, item, *remat_args,
+                order_updates=any(r.name == "early_updates" and r.changed for r in records))
+        except BudgetError as error:
+            if item is original:
+                raise
+            # The graph passes free memory but add ordering constraints; on some steps a
+            # planner then finds no plan where it finds one without them: plan that step.
+            say("remat: no plan after the graph passes; planning the step without them")
+            try:
+                before = item = original
+                item, plan, details = _remat_pass(original, original, *remat_args,
+                                                  order_updates=False)
+            except BudgetError:
+                raise error from None
+            for record in records:
+                if record.name in GRAPH_PASSES and record.changed:
+                    record.changed = False
+                    record.details["reverted"] = f"no remat plan with it: {error}"
         if verify_structure:
             verify_rewrite(before, item, plan)
         profile = None

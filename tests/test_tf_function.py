@@ -121,7 +121,7 @@ def test_callable_trains_the_keras_model_like_the_original_step(optimizer):
 def test_rematerialized_step_trains_the_keras_model_like_the_original():
     """A hand-made plan recomputes the first layer (MatMul, BiasAdd, Relu) right before the
     backward pass reads it; the rewritten step must train the model to identical weights."""
-    rewrite_module = pytest.importorskip("remat.rewrite")
+    rewrite_module = pytest.importorskip("graphfit.remat.rewrite")
     from graphfit.profiler.tf_import import cost_graph_from_graph
     from graphfit.remat.schedule import plan_from_schedule
 
@@ -243,7 +243,7 @@ def test_optimize_rematerializes_a_keras_step_within_its_prediction():
     the optimizer's ``IdentityN`` over all gradients (a view, not new buffers), so the plan
     fits, the measured peak matches the prediction, and the rewritten step trains the model
     like the original one."""
-    baechi = pytest.importorskip("baechi")
+    baechi = pytest.importorskip("graphfit.baechi")
 
     def mlp_step():
         keras.utils.set_random_seed(3)
