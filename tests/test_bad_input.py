@@ -326,7 +326,7 @@ def test_optimize_accepts_a_size_string(tiny_mlp, monkeypatch):
 
     seen = {}
 
-    def fake_remat(item, budget_bytes, *args):
+    def fake_remat(original, item, budget_bytes, *args, **kwargs):
         seen["budget"] = budget_bytes
         raise GraphfitError("stop here")
 
