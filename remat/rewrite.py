@@ -78,6 +78,7 @@ from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from graphfit.remat.graph_def_walk import GraphDefPassError, topological_order
 from graphfit.remat.recompute_graph import clone_name
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
@@ -154,30 +155,13 @@ def _successors(graph_def: tf.compat.v1.GraphDef) -> dict[str, set[str]]:
     return successors
 
 
-def _topological_order(successors: dict[str, set[str]]) -> list[str]:
-    """Kahn's algorithm; nodes on a cycle (and after one) are missing from the order."""
-    indegree = collections.Counter(succ for succs in successors.values() for succ in succs)
-    ready = [name for name in successors if indegree[name] == 0]
-    order = []
-    while ready:
-        name = ready.pop()
-        order.append(name)
-        for succ in successors[name]:
-            indegree[succ] -= 1
-            if indegree[succ] == 0:
-                ready.append(succ)
-    return order
-
-
 def _check_acyclic(graph_def: tf.compat.v1.GraphDef) -> None:
     """Raise naming a node on a cycle of data and control edges."""
-    successors = _successors(graph_def)
-    order = _topological_order(successors)
-    if len(order) < len(successors):
-        stuck = next(name for name in successors if name not in set(order))
+    try:
+        topological_order(graph_def)
+    except GraphDefPassError as error:
         raise RematRewriteError(
-            f"the rewritten graph has a cycle through {stuck!r}: the plan's order contradicts "
-            "the graph's dependencies")
+            f"{error}: the plan's order contradicts the graph's dependencies") from None
 
 
 def _fusable_pairs(nodes: dict) -> list[tuple[str, str]]:
@@ -219,7 +203,7 @@ def _protect_fusions(graph_def: tf.compat.v1.GraphDef) -> int:
     Returns the number of pairs left unfused."""
     nodes = {node.name: node for node in graph_def.node}
     successors = _successors(graph_def)
-    position = {name: k for k, name in enumerate(_topological_order(successors))}
+    position = {name: k for k, name in enumerate(topological_order(graph_def))}
 
     def connected_through_another(first: str, second: str) -> bool:
         # A path first -> ... -> second other than the direct edge, or second -> ... -> first.
