@@ -55,7 +55,8 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
         PlacementError: a unit fits on no device and no memory will be released (the message
             names the unit, the device and the missing bytes).
     """
-    builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True)
+    builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True,
+                              late_sends=True)
     limit = builder.limit
     reserve = [RESERVE_FRACTION * m for m in limit]
     group = units.group.tolist()
@@ -79,6 +80,7 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
                     "Raise the device memory by at least "
                     f"{short} bytes or rematerialize.")
             builder.advance(next_free)
+            builder.wait(u)
         once = [(short, d) for short, d in fits if not builder.refetches(u, d)]
         fits = once or fits
         roomy = [d for short, d in fits if -short >= reserve[d]]

@@ -32,7 +32,7 @@ def _check(p: Placement, graph: CostGraph, limit: int, grouper: str) -> None:
     assert len(p.op_devices()) == graph.num_ops and set(p.op_devices().values()) <= set(NAMES)
     # an independent simulation of the placed ops agrees and fits
     again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), BASE, device,
-                     p.schedule.order)
+                     p.schedule.order, **p.schedule.replay_options())
     assert (again.peak_bytes <= limit).all()
     assert (p.peak_bytes <= limit).all()
     groups = tf_colocation_groups(graph) if grouper == "tf" else coplacement_groups(graph)
@@ -155,7 +155,7 @@ def test_wide_layered_graph_places_at_1_1_of_the_sequential_peak_per_device(meth
     p = place(graph, devs, method=method)
     limit = int(devs.memory_bytes[0])
     again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), devs,
-                     p.device_index, p.schedule.order)
+                     p.device_index, p.schedule.order, **p.schedule.replay_options())
     assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
 
 
@@ -167,7 +167,7 @@ def test_repair_step_keeps_the_order_and_balances_memory():
     s = m_etf(units, devs, memory_first_only=True)
     assert s.info["memory_first"] and s.order.tolist() == units.topological_order.tolist()
     # replayed as TF runs it (one copy per tensor and device, received as early as possible)
-    again = simulate(units, devs, s.device, s.order)
+    again = simulate(units, devs, s.device, s.order, **s.replay_options())
     assert again.peak_bytes.max() <= 1.15 * devs.memory_bytes[0]
     assert again.peak_bytes.min() >= 0.5 * again.peak_bytes.max()  # no device left empty
     assert again.makespan_us < 0.6 * graph.compute_us.sum()        # devices run side by side
