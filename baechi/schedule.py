@@ -67,8 +67,9 @@ class Schedule:
         transfer_reader: per transfer, the unit whose commit made it.
         transient_copies: copies were freed after their readers so far and fetched again
             (``ScheduleBuilder``); a tensor may then reach one device more than once.
-        wait_us: per unit, the time before which it may not start because it waited for
-            memory to be released (0: it did not wait; ``ScheduleBuilder.wait``).
+        wait_us: per unit, the clock when the placer committed it, if the placer moved the
+            clock or released memory since the previous commit, e.g. to wait for memory (0:
+            it did not); a replay starts it no earlier and releases what was released by then.
     """
 
     units: UnitGraph
@@ -205,6 +206,7 @@ class ScheduleBuilder:
         self.start = [0.0] * n
         self.finish = [0.0] * n
         self.wait_us = [0.0] * n if not_before is None else list(not_before)
+        self.advanced = False                        # advance() called since the last commit
         self.order: list[int] = []
         self.device_free = [0.0] * d
         self.ends_on: list[list[float]] = [[] for _ in range(d)]   # per device, in order
@@ -341,14 +343,17 @@ class ScheduleBuilder:
         return self.pending_frees[0][0] if self.pending_frees else None
 
     # -- updates ------------------------------------------------------------------------------
-    def wait(self, u: int) -> None:
-        """Record that ``u`` waits for the clock (memory released by then), so a replay of the
-        schedule keeps the wait (``Schedule.wait_us``)."""
-        self.wait_us[u] = self.clock
+    def pin_group(self, g: int, d: int) -> None:
+        """Put colocation group ``g`` on device ``d`` now, holding its persistent bytes there
+        from now on (at the latest when its first unit is committed)."""
+        self.group_device[g] = d
+        self.level[d] += self.group_persistent[g]
+        self.high_water[d] += self.group_persistent[g]
 
     def advance(self, time_us: float) -> bool:
         """Move the clock to ``time_us`` (never back) and release memory freed by then.
         Returns whether anything was released."""
+        self.advanced = True
         if time_us > self.clock:
             self.clock = time_us
         released = False
@@ -378,16 +383,18 @@ class ScheduleBuilder:
         the units that became ready."""
         dd = self.num_devices
         ready, sends = self._incoming(u, d)
+        if self.advanced and self.monotone:
+            # the placer moved the clock or released memory since the last commit (e.g. it
+            # waited for memory): a replay must do the same before this unit
+            self.wait_us[u] = max(self.wait_us[u], self.clock)
+        self.advanced = False
         begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0,
                     self.wait_us[u])
         end = begin + self._compute[u]
         if begin > self.clock:
             self.clock = begin
-        g = self._group[u]
-        if self.group_device[g] == -1:
-            self.group_device[g] = d
-            self.level[d] += self.group_persistent[g]
-            self.high_water[d] += self.group_persistent[g]
+        if self.group_device[self._group[u]] == -1:
+            self.pin_group(self._group[u], d)
         for t, src, t_begin, t_end, gate in sends:
             self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
             self.arrival[t * dd + d] = t_end
