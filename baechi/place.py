@@ -84,7 +84,8 @@ class Placement:
     def transfers(self) -> list[dict]:
         """Every simulated transfer by name: the tensor (``producer:port``, or
         ``producer:control`` for a control edge), source and destination device, bytes, start
-        and end in µs, in order of start."""
+        and end in µs, in order of start; ``after``: the op on the source device the send
+        waits for (the repair step's just-in-time sends, ``baechi.memory_first``), if any."""
         s, g, names = self.schedule, self.graph, self.devices.names
         op_tensor = s.units.tensor_op_tensor
         rows = []
@@ -97,6 +98,8 @@ class Placement:
                          "bytes": int(s.units.tensor_bytes[t]),
                          "start_us": float(s.transfer_start_us[k]),
                          "end_us": float(s.transfer_end_us[k])})
+            if s.transfer_gate[k] >= 0:
+                rows[-1]["after"] = s.units.unit_name(int(s.transfer_gate[k]))
         return rows
 
     @property
@@ -115,6 +118,7 @@ class Placement:
                 "memory_bytes": self.devices.memory_bytes.tolist(),
                 "ops_per_device": np.bincount(self.device_index,
                                               minlength=len(self.devices)).tolist(),
+                "gated_sends": int((self.schedule.transfer_gate >= 0).sum()),
                 **{k: v for k, v in self.unit_schedule.info.items()}}
 
 

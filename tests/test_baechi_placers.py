@@ -208,3 +208,14 @@ def test_every_family_places_at_1_1_in_both_link_models(family, link_model, meth
     assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
     assert again.makespan_us == pytest.approx(p.makespan_us)
     assert p.makespan_us <= _m_topo_tightest(graph, link_model).makespan_us
+
+
+def test_repair_step_placements_name_the_ops_their_sends_wait_for():
+    graph = TIGHT_GRAPHS["layered"]
+    p = place(graph, _tight_devices(graph, 1.1, "parallel"), method="m_etf")
+    assert p.unit_schedule.info.get("memory_first")
+    gated = [row for row in p.transfers() if "after" in row]
+    assert gated and p.summary()["gated_sends"] == len(gated)
+    names = p.op_devices()
+    # a send waits for an op on its own source device
+    assert all(names[row["after"]] == row["src"] for row in gated)
