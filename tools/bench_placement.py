@@ -22,6 +22,9 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
   planned makespan set beside the measured median step time.
 
 The machine is shared: wall times are noisy, CPU seconds less so; see ``index.json``.
+
+    python -m graphfit.tools.bench_placement                  # all sections (about 2 hours)
+    python -m graphfit.tools.bench_placement tight --quick    # some sections, graphs <= 2k ops
 """
 
 from __future__ import annotations
