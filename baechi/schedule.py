@@ -269,10 +269,11 @@ class ScheduleBuilder:
                 elif self.gates is not None:
                     gate = self.gates.get(t * self.units.num_units + u, -1)
                     if gate != -1 and self.device[gate] == -1:
+                        name = self.units.unit_name
                         raise PlacementError(
-                            f"the send of a tensor of {self.units.unit_name(self._t_producer[t])!r} "
-                            f"waits for {self.units.unit_name(gate)!r}, which comes after its "
-                            f"reader {self.units.unit_name(u)!r} in the order")
+                            f"the send of a tensor of {name(self._t_producer[t])!r} waits for "
+                            f"{name(gate)!r}, which comes after its reader {name(u)!r} in the "
+                            "order")
                 if gate != -1 and self.finish[gate] > available:
                     available = self.finish[gate]
                 if self.contention:
