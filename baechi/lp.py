@@ -33,10 +33,13 @@ from graphfit.baechi.devices import LinkCost
 from graphfit.baechi.units import CONTROL_EDGE_BYTES, UnitGraph
 from graphfit.errors import GraphfitError
 
-__all__ = ["LP_SOLVERS", "LPSolverError", "LPSolution", "edge_comm_us", "solve_favourite_lp",
-           "round_favourites"]
+__all__ = ["LP_SOLVERS", "LPSolverError", "LPSolution", "edge_comm_us", "lp_window_units",
+           "solve_favourite_lp", "round_favourites"]
 
 LP_SOLVERS = ("highs", "cvxopt", "mosek")
+# Window sizes of the LP (``lp_window_units``): units per window times the graph's width.
+LP_WIDTH_BUDGET = 250_000
+MIN_LP_WINDOW, MAX_LP_WINDOW = 500, 10_000
 
 
 class LPSolverError(GraphfitError, RuntimeError):
@@ -46,7 +49,7 @@ class LPSolverError(GraphfitError, RuntimeError):
 @dataclasses.dataclass
 class LPSolution:
     """Solved favourite-child LP: ``x`` per edge of ``edges`` (2 x m: parent, child units),
-    the LP makespan, the LP's size and the solver's wall time."""
+    the LP makespan, the LP's size, the solver's wall time and the window size."""
 
     edges: np.ndarray
     comm_us: np.ndarray
@@ -57,6 +60,7 @@ class LPSolution:
     nnz: int
     solve_s: float
     solver: str
+    window_units: int
 
 
 def edge_comm_us(units: UnitGraph, link: LinkCost) -> np.ndarray:
@@ -173,21 +177,46 @@ def _solve_mosek(c, a_ub, b_ub, lower, upper) -> np.ndarray:
 _SOLVERS = {"highs": _solve_highs, "cvxopt": _solve_cvxopt, "mosek": _solve_mosek}
 
 
+def lp_window_units(units: UnitGraph) -> int:
+    """How many units one LP window may hold: ``LP_WIDTH_BUDGET`` / the graph's mean width
+    (units per level of the longest path, counted in units), within [``MIN_LP_WINDOW``,
+    ``MAX_LP_WINDOW``].
+
+    The dual simplex's time grows with the window's size times its width: on wide graphs
+    (layered, 256 units a level) one 8,000-unit LP ran for more than 10 minutes, 1,000-unit
+    windows take about a second each; on narrow ones (training steps, width about 2) a window
+    of 10,000 costs a second, and smaller windows would cut the long forward-to-backward edges
+    the LP should see (training-like 10k: makespan 1.011 of the lower bound with 10,000-unit
+    windows, 1.04 with 1,000)."""
+    if units.num_units == 0:
+        return MAX_LP_WINDOW
+    src, dst = units.edges.tolist()
+    level = [0] * units.num_units
+    succ_offset = np.searchsorted(units.edges[0], np.arange(units.num_units + 1)).tolist()
+    for u in units.topological_order.tolist():
+        for k in range(succ_offset[u], succ_offset[u + 1]):
+            if level[dst[k]] <= level[u]:
+                level[dst[k]] = level[u] + 1
+    width = units.num_units / (max(level) + 1)
+    return int(min(MAX_LP_WINDOW, max(MIN_LP_WINDOW, LP_WIDTH_BUDGET / width)))
+
+
 def solve_favourite_lp(units: UnitGraph, link: LinkCost, solver: str = "highs",
-                       max_units_per_lp: int = 10000) -> LPSolution:
+                       max_units_per_lp: int | None = None) -> LPSolution:
     """Build and solve the favourite-child LP of a unit graph.
 
-    Graphs larger than ``max_units_per_lp`` are solved window by window along the topological
-    order (the simplex time grows faster than linearly): an edge between windows is fixed as
-    "not favourite" (x = 1) and turns into a lower bound on its child's start time, taken from
-    the earliest start times implied by the earlier windows' solutions. Each window's LP
-    minimises that window's completion time. A single window is the exact LP.
+    Graphs larger than ``max_units_per_lp`` (default ``lp_window_units``: smaller windows on
+    wider graphs) are solved window by window along the topological order (the simplex time
+    grows faster than linearly): an edge between windows is fixed as "not favourite" (x = 1)
+    and turns into a lower bound on its child's start time, taken from the earliest start times
+    implied by the earlier windows' solutions. Each window's LP minimises that window's
+    completion time. A single window is the exact LP.
 
     Parameters:
         units: the unit graph (its ``edges`` are the LP's edges).
         link: the link cost charged for a non-favourite edge (e.g. ``DeviceSet.mean_link()``).
         solver: ``"highs"`` (scipy's HiGHS dual simplex, default), ``"cvxopt"`` or ``"mosek"``.
-        max_units_per_lp: window size.
+        max_units_per_lp: window size (default: ``lp_window_units(units)``).
 
     Returns:
         ``LPSolution`` with ``x`` per edge; size (rows, columns, non-zeros) and solve time
@@ -202,6 +231,8 @@ def solve_favourite_lp(units: UnitGraph, link: LinkCost, solver: str = "highs",
     """
     if solver not in _SOLVERS:
         raise LPSolverError(f"unknown lp_solver {solver!r}; choose one of {LP_SOLVERS}")
+    if max_units_per_lp is None:
+        max_units_per_lp = lp_window_units(units)
     comm = edge_comm_us(units, link)
     src, dst = units.edges
     n = units.num_units
@@ -248,7 +279,7 @@ def solve_favourite_lp(units: UnitGraph, link: LinkCost, solver: str = "highs",
     return LPSolution(edges=units.edges, comm_us=comm, x=x,
                       makespan_us=float((start_us + p).max()) if n else 0.0,
                       num_rows=num_rows, num_cols=num_cols, nnz=nnz, solve_s=elapsed,
-                      solver=solver)
+                      solver=solver, window_units=max_units_per_lp)
 
 
 def round_favourites(edges: np.ndarray, x: np.ndarray, num_units: int, threshold: float = 0.5,

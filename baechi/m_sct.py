@@ -35,7 +35,7 @@ def m_sct(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
 
     Returns:
         The ``Schedule``; ``info`` holds the LP's rows, columns, non-zeros, solve seconds,
-        LP makespan and the number of favourite edges.
+        LP makespan, window size and the number of favourite edges.
 
     Raises:
         LPSolverError: the LP solver is unavailable or failed (the message names alternatives).
@@ -51,6 +51,7 @@ def m_sct(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
                      method="m_sct", memory_first_only=memory_first_only)
     schedule.info.update(lp_rows=lp.num_rows, lp_cols=lp.num_cols, lp_nnz=lp.nnz,
                          lp_solve_s=lp.solve_s, lp_solver=lp.solver,
+                         lp_window_units=lp.window_units,
                          lp_makespan_us=lp.makespan_us,
                          favourite_edges=int((favourite_parent >= 0).sum()))
     return schedule

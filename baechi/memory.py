@@ -107,7 +107,7 @@ def _liveness_levels(s: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:
     out_end = np.maximum(last[out_key], s.finish_us[producer])
     out_end[units.tensor_fetched] = np.inf
     copies = np.zeros(0, dtype=np.int64) if shared else s.transfer_tensor
-    copy_end = last[copies * num_devices + s.transfer_dst[:len(copies)]]
+    copy_end = _copy_ends(s) if len(copies) else np.zeros(0)
 
     dev = np.concatenate([device, device, device[producer], device[producer],
                           s.transfer_dst[:len(copies)], s.transfer_dst[:len(copies)]])
@@ -123,6 +123,33 @@ def _liveness_levels(s: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:
     bounds = np.searchsorted(dev, np.arange(num_devices + 1))
     return [(time[bounds[d]:bounds[d + 1]], np.cumsum(delta[bounds[d]:bounds[d + 1]]))
             for d in range(num_devices)]
+
+
+def _copy_ends(s: "Schedule") -> np.ndarray:
+    """When each received copy is freed: the last finish of the readers on its device that
+    start while it is the newest copy of its tensor there (a tensor fetched again after its
+    copy was freed, ``Schedule.transient_copies``, has several)."""
+    units, num_devices, device = s.units, len(s.devices), s.device
+    key = s.transfer_tensor * num_devices + s.transfer_dst
+    by_key = np.lexsort((s.transfer_start_us, key))
+    sorted_key = key[by_key]
+    pair_t, pair_u = units.consumer_pairs()
+    remote = device[pair_u] != device[units.tensor_producer[pair_t]]
+    reader_key = pair_t[remote] * num_devices + device[pair_u[remote]]
+    reader = pair_u[remote]
+    first = np.searchsorted(sorted_key, reader_key, side="left")
+    count = np.searchsorted(sorted_key, reader_key, side="right") - first
+    copy = first.copy()
+    starts = s.transfer_start_us[by_key]
+    for k in np.flatnonzero(count > 1).tolist():  # several copies: the newest before the read
+        lo, hi = int(first[k]), int(first[k] + count[k])
+        copy[k] = lo + max(0, int(np.searchsorted(starts[lo:hi], s.start_us[reader[k]],
+                                                  side="right")) - 1)
+    end = s.transfer_end_us[by_key].copy()
+    np.maximum.at(end, copy[count > 0], s.finish_us[reader[count > 0]])
+    copy_end = np.empty(len(key))
+    copy_end[by_key] = end
+    return copy_end
 
 
 def device_timelines(schedule: "Schedule") -> list[tuple[np.ndarray, np.ndarray]]:

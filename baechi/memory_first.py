@@ -7,6 +7,8 @@ devices) the schedule deadlocks, with every device full and nothing releasable. 
 happens m-ETF and m-SCT fall back to this scheduler, which keeps the order that defines the
 sequential peak (the units' topological order) and only chooses devices:
 
+- the variables (colocation groups with persistent bytes) are spread over the devices first,
+  since they are held all step;
 - units are committed in topological order, each on a device where it fits now; so the bytes
   alive across all devices are those alive in the sequential step, plus copies, plus what the
   devices running side by side have in flight;
@@ -18,9 +20,18 @@ sequential peak (the units' topological order) and only chooses devices:
 - a unit that fits nowhere waits for the next release; if none is pending the instance is
   reported with its shortfall.
 
+Copies are kept short-lived: a tensor read on another device is sent just in time for its
+reader (``ScheduleBuilder``'s ``late_sends``: the send waits for a "gate" unit on the sending
+device), and a received copy is freed after the readers committed so far (``transient_copies``;
+a later reader receives it again). Without late sends, idle links (the ``parallel`` link model)
+copy every tensor to its readers' devices as soon as it exists, and the copies alone exceed
+a limit near (sequential peak / devices).
+
 Every unit waits for the previous one to start (a monotone clock), so the schedule is as
 parallel as the order allows; this is the price of the memory guarantee, and why it is only a
-fallback.
+fallback. The schedule records its gates, transient copies and waits for memory
+(``Schedule.replay_options``), so ``simulate`` replays it exactly; a run needs them as ordering
+edges.
 """
 
 from __future__ import annotations
@@ -55,10 +66,12 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
         PlacementError: a unit fits on no device and no memory will be released (the message
             names the unit, the device and the missing bytes).
     """
-    builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True)
+    builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True,
+                              late_sends=True)
     limit = builder.limit
     reserve = [RESERVE_FRACTION * m for m in limit]
     group = units.group.tolist()
+    _spread_variables(builder)
     fav = favourite_parent.tolist() if favourite_parent is not None else None
     all_devices = list(range(len(devices)))
     for u in units.topological_order.tolist():
@@ -91,3 +104,18 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
             d = min(fits)[1]  # the most room left after it
         builder.commit(u, d)
     return builder.finish_schedule({"memory_first": True})
+
+
+def _spread_variables(builder: ScheduleBuilder) -> None:
+    """Pin the colocation groups holding persistent bytes (variables) before any unit runs,
+    largest first, each on the device holding the fewest persistent bytes so far.
+
+    Variables are held all step; placed one by one in topological order, a late layer's
+    weights meet devices whose activations already peaked (the fit test charges persistent
+    bytes against the highest level so far), and a training step's last weights fit nowhere."""
+    held = [0] * builder.num_devices
+    persistent = builder.group_persistent
+    for g in sorted((g for g, b in enumerate(persistent) if b), key=lambda g: -persistent[g]):
+        d = min(range(builder.num_devices), key=lambda d: (held[d] - builder.limit[d], d))
+        builder.pin_group(g, d)
+        held[d] += persistent[g]

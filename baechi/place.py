@@ -78,13 +78,14 @@ class Placement:
     def simulate(self, link_model: str) -> Schedule:
         """The placed step (same devices, same order) simulated under another link model."""
         return simulate(self.schedule.units, self.devices.with_link_model(link_model),
-                        self.device_index,
-                        self.schedule.order, self.schedule.memory_model)
+                        self.device_index, self.schedule.order, self.schedule.memory_model,
+                        **self.schedule.replay_options())
 
     def transfers(self) -> list[dict]:
         """Every simulated transfer by name: the tensor (``producer:port``, or
         ``producer:control`` for a control edge), source and destination device, bytes, start
-        and end in µs, in order of start."""
+        and end in µs, in order of start; ``after``: the op on the source device the send
+        waits for (the repair step's just-in-time sends, ``baechi.memory_first``), if any."""
         s, g, names = self.schedule, self.graph, self.devices.names
         op_tensor = s.units.tensor_op_tensor
         rows = []
@@ -97,6 +98,8 @@ class Placement:
                          "bytes": int(s.units.tensor_bytes[t]),
                          "start_us": float(s.transfer_start_us[k]),
                          "end_us": float(s.transfer_end_us[k])})
+            if s.transfer_gate[k] >= 0:
+                rows[-1]["after"] = s.units.unit_name(int(s.transfer_gate[k]))
         return rows
 
     @property
@@ -115,6 +118,7 @@ class Placement:
                 "memory_bytes": self.devices.memory_bytes.tolist(),
                 "ops_per_device": np.bincount(self.device_index,
                                               minlength=len(self.devices)).tolist(),
+                "gated_sends": int((self.schedule.transfer_gate >= 0).sum()),
                 **{k: v for k, v in self.unit_schedule.info.items()}}
 
 
@@ -190,6 +194,25 @@ def _op_order(graph: CostGraph, units: UnitGraph, unit_schedule: Schedule) -> np
     position[unit_schedule.order] = np.arange(units.num_units)
     start = unit_schedule.start_us[unit] + offset
     return np.lexsort((np.arange(graph.num_ops), position[unit], start))
+
+
+def _op_gates(units: UnitGraph, ops: UnitGraph, unit_schedule: Schedule) -> dict[int, int]:
+    """The unit schedule's send gates (``ScheduleBuilder``'s ``late_sends``) over the original
+    ops: a unit tensor becomes its op tensor, its reader unit the first op of the unit reading
+    it, a gate unit its last op (a unit's ops run in op order). Gates of control edges (4
+    bytes) are dropped."""
+    graph = ops.graph
+    op_tensor = np.full(graph.num_tensors, -1, dtype=np.int64)
+    data = np.flatnonzero(ops.tensor_op_tensor >= 0)
+    op_tensor[ops.tensor_op_tensor[data]] = data
+    gates = {}
+    for key, gate in unit_schedule.gates().items():
+        t, reader = divmod(key, units.num_units)
+        graph_tensor = int(units.tensor_op_tensor[t])
+        if graph_tensor >= 0:
+            op = next(int(j) for j in units.ops(reader) if graph_tensor in graph.op_inputs(j))
+            gates[int(op_tensor[graph_tensor]) * ops.num_units + op] = int(units.ops(gate)[-1])
+    return gates
 
 
 def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
@@ -278,8 +301,16 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
             schedule = dataclasses.replace(unit_schedule, devices=devices)
         else:  # fused units, or the repair step's transient copies: replay as TF runs it
             order = _op_order(cost_graph, units, unit_schedule)
-            schedule = simulate(UnitGraph.singletons(cost_graph, tf_groups), devices,
-                                device_index, order, memory_model)
+            ops = UnitGraph.singletons(cost_graph, tf_groups)
+            first_op = np.searchsorted(units.unit_of_op[np.argsort(units.unit_of_op,
+                                                                   kind="stable")],
+                                       np.arange(units.num_units))
+            waits = np.zeros(cost_graph.num_ops)
+            waits[np.argsort(units.unit_of_op, kind="stable")[first_op]] = unit_schedule.wait_us
+            schedule = simulate(ops, devices, device_index, order, memory_model,
+                                gates=_op_gates(units, ops, unit_schedule),
+                                transient_copies=unit_schedule.transient_copies,
+                                not_before=waits)
         over = schedule.peak_bytes - devices.memory_bytes
         if (over <= 0).all():
             break

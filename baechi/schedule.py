@@ -29,6 +29,7 @@ References:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 from collections.abc import Sequence
@@ -61,9 +62,14 @@ class Schedule:
         order: units in commit order (per device, also execution order).
         transfer_tensor, transfer_src, transfer_dst, transfer_start_us, transfer_end_us:
             one entry per (unit tensor, destination device) copy.
-        makespan_us: the step time.
-        peak_bytes: exact per-device peak under ``memory_model``.
-        info: what the placer wants to report (e.g. LP size and solve time).
+        transfer_gate: per transfer, the unit on the sending device whose end the send waits
+            for (-1: it starts as soon as the tensor and the channel allow); see ``late_sends``.
+        transfer_reader: per transfer, the unit whose commit made it.
+        transient_copies: copies were freed after their readers so far and fetched again
+            (``ScheduleBuilder``); a tensor may then reach one device more than once.
+        wait_us: per unit, the clock when the placer committed it, if the placer moved the
+            clock or released memory since the previous commit, e.g. to wait for memory (0:
+            it did not); a replay starts it no earlier and releases what was released by then.
     """
 
     units: UnitGraph
@@ -80,7 +86,25 @@ class Schedule:
     transfer_end_us: np.ndarray
     makespan_us: float
     peak_bytes: np.ndarray
+    transfer_gate: np.ndarray
+    transfer_reader: np.ndarray
+    wait_us: np.ndarray
+    transient_copies: bool = False
     info: dict = dataclasses.field(default_factory=dict)
+
+    def gates(self) -> dict[int, int]:
+        """The transfers' gates as ``simulate`` takes them: ``tensor * units + reader`` -> gate
+        unit."""
+        gated = np.flatnonzero(self.transfer_gate >= 0)
+        keys = self.transfer_tensor[gated] * self.units.num_units + self.transfer_reader[gated]
+        return dict(zip(keys.tolist(), self.transfer_gate[gated].tolist()))
+
+    def replay_options(self) -> dict:
+        """What ``simulate`` needs besides devices and order to replay this schedule: its send
+        gates, transient copies and waits for memory (all empty unless the repair step made
+        it)."""
+        return {"gates": self.gates(), "transient_copies": self.transient_copies,
+                "not_before": self.wait_us}
 
     def to_chrome_trace(self) -> dict:
         """The schedule as Chrome trace JSON (open in Perfetto or chrome://tracing): one process
@@ -122,7 +146,18 @@ class ScheduleBuilder:
             committed); a reader committed while the copy is still there extends it, and a
             reader after it is gone receives the tensor again (``refetches``; TF receives a
             tensor once per device, so the caller replays the placement with ``simulate``).
+        late_sends: a transfer starts just in time for its reader instead of as soon as the
+            tensor exists: it waits for the end of a "gate", the last unit committed on the
+            sending device that ends before the transfer must begin for the copy to arrive when
+            the reader could start. The received copy then lives from about the reader's turn,
+            not from its producer's end (which, with idle links, puts a copy of every tensor
+            read elsewhere on the reader's device long before it is needed). A run realises a
+            gate with one ordering edge on the sending device (``Schedule.transfer_gate``).
             ``baechi.memory_first`` uses it.
+        gates: replay given gates (``Schedule.gates()``): ``tensor * units + reader`` -> gate
+            unit, which must be committed before the reader.
+        not_before: replay given waits for memory (``Schedule.wait_us``): per unit, a time
+            before which it does not start.
 
     A placer repeatedly picks a ready unit and a device, asks ``shortfall_bytes`` (<= 0: fits)
     and ``data_ready_us`` (when its inputs would be there), and calls ``commit``, which returns
@@ -130,9 +165,13 @@ class ScheduleBuilder:
     """
 
     def __init__(self, units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
-                 monotone: bool = True, transient_copies: bool = False):
+                 monotone: bool = True, transient_copies: bool = False,
+                 late_sends: bool = False, gates: dict[int, int] | None = None,
+                 not_before: Sequence[float] | None = None):
         check_memory_model(memory_model)
         self.monotone = monotone
+        self.late_sends = late_sends
+        self.gates = gates
         self.transient_copies = transient_copies and memory_model == "liveness"
         self.copy_free_at: dict[int, float] = {}   # t * D + device -> scheduled release
         self.gone: set[int] = set()                # t * D + device: copy freed, not again
@@ -166,8 +205,12 @@ class ScheduleBuilder:
         self.device = [-1] * n
         self.start = [0.0] * n
         self.finish = [0.0] * n
+        self.wait_us = [0.0] * n if not_before is None else list(not_before)
+        self.advanced = False                        # advance() called since the last commit
         self.order: list[int] = []
         self.device_free = [0.0] * d
+        self.ends_on: list[list[float]] = [[] for _ in range(d)]   # per device, in order
+        self.units_on: list[list[int]] = [[] for _ in range(d)]
         self.contention = devices.link_model == "contention"
         self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
         self.send_free = [0.0] * d                       # contention: per device and direction
@@ -180,7 +223,7 @@ class ScheduleBuilder:
         self.high_water = [0] * d                    # highest level seen so far
         self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
         self.clock = 0.0
-        self.transfers: list[tuple[int, int, int, float, float]] = []
+        self.transfers: list[tuple[int, int, int, float, float, int, int]] = []
         indegree = np.zeros(n, dtype=np.int64)
         np.add.at(indegree, units.edges[1], 1)
         self.missing_inputs = indegree.tolist()
@@ -194,9 +237,9 @@ class ScheduleBuilder:
         """Units with no predecessor, ascending."""
         return [u for u, k in enumerate(self.missing_inputs) if k == 0]
 
-    def _incoming(self, u: int, d: int) -> tuple[float, list[tuple[int, int, float, float]]]:
+    def _incoming(self, u: int, d: int) -> tuple[float, list[tuple[int, int, float, float, int]]]:
         """When all of ``u``'s inputs are on device ``d``, and the transfers that needs
-        (tensor, source device, start, end), sent in order of availability."""
+        (tensor, source device, start, end, gate), sent in order of availability."""
         ready = 0.0
         needed = []
         dd = self.num_devices
@@ -217,17 +260,39 @@ class ScheduleBuilder:
             needed.sort()
             sent: dict[int, float] = {}  # source -> when its channel to d is free again
             received = self.recv_free[d]
+            wanted = max(self.clock, self.device_free[d])  # when u could start on d
             for available, t, src in needed:
+                cost = self._a[src][d] * self._t_comm[t] + self._b[src][d]
+                gate = -1
+                if self.late_sends:
+                    gate = self._gate(src, available, wanted - cost)
+                elif self.gates is not None:
+                    gate = self.gates.get(t * self.units.num_units + u, -1)
+                    if gate != -1 and self.device[gate] == -1:
+                        name = self.units.unit_name
+                        raise PlacementError(
+                            f"the send of a tensor of {name(self._t_producer[t])!r} waits for "
+                            f"{name(gate)!r}, which comes after its reader {name(u)!r} in the "
+                            "order")
+                if gate != -1 and self.finish[gate] > available:
+                    available = self.finish[gate]
                 if self.contention:
                     begin = max(available, sent.get(src, self.send_free[src]), received)
                 else:
                     begin = max(available, sent.get(src, self.link_free[src][d]))
-                end = begin + self._a[src][d] * self._t_comm[t] + self._b[src][d]
+                end = begin + cost
                 sent[src] = received = end
-                sends.append((t, src, begin, end))
+                sends.append((t, src, begin, end, gate))
                 if end > ready:
                     ready = end
         return ready, sends
+
+    def _gate(self, src: int, available: float, latest: float) -> int:
+        """The last unit committed on ``src`` that ends after ``available`` and by ``latest``
+        (-1: none, the tensor itself is that recent)."""
+        ends = self.ends_on[src]
+        k = bisect.bisect_right(ends, latest) - 1
+        return self.units_on[src][k] if k >= 0 and ends[k] > available else -1
 
     def data_ready_us(self, u: int, d: int) -> float:
         """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue)."""
@@ -279,9 +344,17 @@ class ScheduleBuilder:
         return self.pending_frees[0][0] if self.pending_frees else None
 
     # -- updates ------------------------------------------------------------------------------
+    def pin_group(self, g: int, d: int) -> None:
+        """Put colocation group ``g`` on device ``d`` now, holding its persistent bytes there
+        from now on (at the latest when its first unit is committed)."""
+        self.group_device[g] = d
+        self.level[d] += self.group_persistent[g]
+        self.high_water[d] += self.group_persistent[g]
+
     def advance(self, time_us: float) -> bool:
         """Move the clock to ``time_us`` (never back) and release memory freed by then.
         Returns whether anything was released."""
+        self.advanced = True
         if time_us > self.clock:
             self.clock = time_us
         released = False
@@ -311,19 +384,22 @@ class ScheduleBuilder:
         the units that became ready."""
         dd = self.num_devices
         ready, sends = self._incoming(u, d)
-        begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0)
+        if self.advanced and self.monotone:
+            # the placer moved the clock or released memory since the last commit (e.g. it
+            # waited for memory): a replay must do the same before this unit
+            self.wait_us[u] = max(self.wait_us[u], self.clock)
+        self.advanced = False
+        begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0,
+                    self.wait_us[u])
         end = begin + self._compute[u]
         if begin > self.clock:
             self.clock = begin
-        g = self._group[u]
-        if self.group_device[g] == -1:
-            self.group_device[g] = d
-            self.level[d] += self.group_persistent[g]
-            self.high_water[d] += self.group_persistent[g]
-        for t, src, t_begin, t_end in sends:
+        if self.group_device[self._group[u]] == -1:
+            self.pin_group(self._group[u], d)
+        for t, src, t_begin, t_end, gate in sends:
             self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
             self.arrival[t * dd + d] = t_end
-            self.transfers.append((t, src, d, t_begin, t_end))
+            self.transfers.append((t, src, d, t_begin, t_end, gate, u))
             if not self.transient_copies:
                 self.holders[t].append(d)
             key = t * dd + src
@@ -352,6 +428,8 @@ class ScheduleBuilder:
                 self._release_later(end, d, self._t_bytes[t])
         self.device[u], self.start[u], self.finish[u] = d, begin, end
         self.device_free[d] = end
+        self.ends_on[d].append(end)
+        self.units_on[d].append(u)
         self.order.append(u)
         ready_units = []
         for v in self._successors[u]:
@@ -369,7 +447,7 @@ class ScheduleBuilder:
         if len(self.order) != self.units.num_units:
             missing = next(u for u in range(self.units.num_units) if self.device[u] == -1)
             raise PlacementError(f"unit {self.units.unit_name(missing)!r} was never scheduled")
-        tr = np.array(self.transfers, dtype=np.float64).reshape(-1, 5)
+        tr = np.array(self.transfers, dtype=np.float64).reshape(-1, 7)
         sched = Schedule(
             units=self.units, devices=self.devices, memory_model=self.memory_model,
             device=np.array(self.device, dtype=np.int64),
@@ -378,14 +456,19 @@ class ScheduleBuilder:
             transfer_tensor=tr[:, 0].astype(np.int64), transfer_src=tr[:, 1].astype(np.int64),
             transfer_dst=tr[:, 2].astype(np.int64), transfer_start_us=tr[:, 3],
             transfer_end_us=tr[:, 4], makespan_us=max(self.finish, default=0.0),
-            peak_bytes=np.zeros(self.num_devices, dtype=np.int64), info=dict(info or {}))
+            peak_bytes=np.zeros(self.num_devices, dtype=np.int64),
+            transfer_gate=tr[:, 5].astype(np.int64), transfer_reader=tr[:, 6].astype(np.int64),
+            wait_us=np.array(self.wait_us), transient_copies=self.transient_copies,
+            info=dict(info or {}))
         sched.peak_bytes = device_peak_bytes(sched)
         return sched
 
 
 def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int],
              order: Sequence[int] | None = None, memory_model: str = "liveness",
-             in_order: bool = True) -> Schedule:
+             in_order: bool = True, gates: dict[int, int] | None = None,
+             transient_copies: bool = False,
+             not_before: Sequence[float] | None = None) -> Schedule:
     """Simulate one step of a placed unit graph.
 
     Units start in ``order`` (default: topological), each as soon as its device is free and its
@@ -401,6 +484,12 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
         order: a topological order of all units (e.g. a placer's commit order).
         memory_model: how ``peak_bytes`` is computed (``"liveness"`` or ``"static"``).
         in_order: keep start times in ``order`` (see above).
+        gates: sends that wait for a unit's end (``Schedule.gates()`` of a placement made
+            with ``late_sends``, see ``ScheduleBuilder``).
+        transient_copies: free received copies after their readers so far and fetch again
+            (``ScheduleBuilder``), as the repair step planned (``Schedule.transient_copies``).
+        not_before: per unit, a time before which it may not start (``Schedule.wait_us``: the
+            repair step's waits for memory).
 
     Returns:
         The ``Schedule``: makespan, per-device peak bytes, per-unit times, transfers.
@@ -423,11 +512,15 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
             device_of_unit >= len(devices)).any():
         raise PlacementError(f"need a device index in [0, {len(devices)}) for each of the "
                              f"{units.num_units} units")
-    builder = ScheduleBuilder(units, devices, memory_model, monotone=in_order)
+    builder = ScheduleBuilder(units, devices, memory_model, monotone=in_order,
+                              gates=gates, transient_copies=transient_copies,
+                              not_before=not_before)
     seq = units.topological_order if order is None else np.asarray(order)
     for u in seq.tolist():
         if builder.missing_inputs[u] != 0 or builder.device[u] != -1:
             raise PlacementError(f"order is not topological at unit {units.unit_name(u)!r}")
+        if builder.wait_us[u] > 0:  # the plan waited here for memory: release what it did
+            builder.advance(builder.wait_us[u])
         builder.commit(u, int(device_of_unit[u]))
     return builder.finish_schedule()
 

@@ -1,6 +1,6 @@
 """Generated cost graphs for benchmarks and property tests.
 
-Two families, both seeded and deterministic:
+Four families, all seeded and deterministic:
 
 - ``training_like``: a stack of dense layers with the shape of a real training step — forward
   ops, a loss, the backward ops in reverse layer order (each layer's gradient reads the saved
@@ -11,6 +11,9 @@ Two families, both seeded and deterministic:
 - ``layered``: layers of equal width, each op reading 1-3 ops of the layer before; the live
   set is a whole layer (what wide models such as Inception or multi-branch networks look like
   to a placer), so memory, not the critical path, is what constrains placing it.
+- ``fork_join``: stages that fork into many parallel branches (chains of different lengths
+  and tensor sizes) joined by a tree of adds, as in multi-branch blocks: every branch's last
+  output waits for the join, so the live set is the stage's branch outputs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
-__all__ = ["training_like", "random_dag", "layered"]
+__all__ = ["training_like", "random_dag", "layered", "fork_join"]
 
 _OPS_PER_LAYER = 10
 
@@ -121,4 +124,43 @@ def layered(num_ops: int, seed: int = 0, width: int = 64,
             inputs=[(specs[j].name, 0) for j in sources],
             output_bytes=[int(rng.integers(*output_bytes))],
             compute_us=float(rng.uniform(1, 500))))
+    return CostGraph.from_ops(specs)
+
+
+def fork_join(num_ops: int, seed: int = 0, branches: int = 64,
+              branch_ops: tuple[int, int] = (2, 16),
+              output_bytes: tuple[int, int] = (1 << 18, 1 << 21)) -> CostGraph:
+    """About ``num_ops`` ops in fork-join stages: each stage's input feeds ``branches`` chains
+    of ``branch_ops`` (low, high) ops each, whose last outputs are summed pairwise (a tree of
+    adds) into the next stage's input. A chain keeps one output size, uniform in
+    ``output_bytes``; compute times are uniform in 1-500 µs."""
+    rng = np.random.default_rng(seed)
+    specs = [OpSpec("input", "Placeholder", output_bytes=[int(rng.integers(*output_bytes))],
+                    compute_us=1.0)]
+    stage = 0
+    while len(specs) < num_ops:
+        source = specs[-1].name
+        ends = []
+        for b in range(branches):
+            size = int(rng.integers(*output_bytes))
+            previous = source
+            for k in range(int(rng.integers(branch_ops[0], branch_ops[1] + 1))):
+                name = f"stage{stage}/branch{b}/op{k}"
+                specs.append(OpSpec(name, "Compute", inputs=[(previous, 0)], output_bytes=[size],
+                                    compute_us=float(rng.uniform(1, 500))))
+                previous = name
+            ends.append((previous, size))
+        level = 0
+        while len(ends) > 1:  # join: sum pairwise
+            joined = []
+            for k in range(0, len(ends) - 1, 2):
+                (a, size_a), (b, size_b) = ends[k], ends[k + 1]
+                name = f"stage{stage}/join{level}/add{k // 2}"
+                size = max(size_a, size_b)
+                specs.append(OpSpec(name, "AddV2", inputs=[(a, 0), (b, 0)], output_bytes=[size],
+                                    compute_us=size / 4000.0 + 2))
+                joined.append((name, size))
+            ends = joined + ends[len(ends) - len(ends) % 2:]
+            level += 1
+        stage += 1
     return CostGraph.from_ops(specs)

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from graphfit.baechi.devices import LinkCost
-from graphfit.baechi.lp import LPSolverError, round_favourites, solve_favourite_lp
+from graphfit.baechi.lp import (LPSolverError, lp_window_units, round_favourites,
+                                solve_favourite_lp)
 from graphfit.baechi.units import UnitGraph
 from graphfit.profiler import synthetic
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
@@ -95,3 +96,18 @@ def test_mosek_without_package_names_alternatives():
         solve_favourite_lp(units, LINK, "mosek")
     with pytest.raises(LPSolverError, match="unknown lp_solver"):
         solve_favourite_lp(units, LINK, "gurobi")
+
+
+def test_wide_graphs_get_smaller_lp_windows():
+    # width 256: about 1,000 units a window; a training step (width about 2): 10,000
+    wide = _units(synthetic.layered(3000, seed=0, width=256))
+    narrow = _units(synthetic.training_like(3000, seed=0))
+    assert 800 <= lp_window_units(wide) <= 1100
+    assert lp_window_units(narrow) == 10_000
+    lp = solve_favourite_lp(wide, LINK)
+    assert lp.window_units == lp_window_units(wide) and ((lp.x >= 0) & (lp.x <= 1)).all()
+    # edges between windows are fixed as not favourite
+    window = np.empty(wide.num_units, dtype=np.int64)
+    window[wide.topological_order] = np.arange(wide.num_units) // lp.window_units
+    across = window[wide.edges[0]] != window[wide.edges[1]]
+    assert across.any() and (lp.x[across] == 1).all()

@@ -32,7 +32,7 @@ def _check(p: Placement, graph: CostGraph, limit: int, grouper: str) -> None:
     assert len(p.op_devices()) == graph.num_ops and set(p.op_devices().values()) <= set(NAMES)
     # an independent simulation of the placed ops agrees and fits
     again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), BASE, device,
-                     p.schedule.order)
+                     p.schedule.order, **p.schedule.replay_options())
     assert (again.peak_bytes <= limit).all()
     assert (p.peak_bytes <= limit).all()
     groups = tf_colocation_groups(graph) if grouper == "tf" else coplacement_groups(graph)
@@ -155,7 +155,7 @@ def test_wide_layered_graph_places_at_1_1_of_the_sequential_peak_per_device(meth
     p = place(graph, devs, method=method)
     limit = int(devs.memory_bytes[0])
     again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), devs,
-                     p.device_index, p.schedule.order)
+                     p.device_index, p.schedule.order, **p.schedule.replay_options())
     assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
 
 
@@ -167,7 +167,55 @@ def test_repair_step_keeps_the_order_and_balances_memory():
     s = m_etf(units, devs, memory_first_only=True)
     assert s.info["memory_first"] and s.order.tolist() == units.topological_order.tolist()
     # replayed as TF runs it (one copy per tensor and device, received as early as possible)
-    again = simulate(units, devs, s.device, s.order)
+    again = simulate(units, devs, s.device, s.order, **s.replay_options())
     assert again.peak_bytes.max() <= 1.15 * devs.memory_bytes[0]
     assert again.peak_bytes.min() >= 0.5 * again.peak_bytes.max()  # no device left empty
     assert again.makespan_us < 0.6 * graph.compute_us.sum()        # devices run side by side
+
+
+TIGHT_GRAPHS = {"layered": synthetic.layered(512, seed=1, width=256),
+                "random": synthetic.random_dag(500, seed=0, window=500),
+                "training_like": synthetic.training_like(400, seed=1)}
+
+
+def _m_topo_tightest(graph, link_model):
+    """m-TOPO's makespan at its tightest limit (bisected between 1.1 and 4 x seq / 4)."""
+    lo, hi = 1.1, 4.0
+    best = place(graph, _tight_devices(graph, hi, link_model), method="m_topo")
+    for _ in range(5):
+        mid = (lo + hi) / 2
+        try:
+            best = place(graph, _tight_devices(graph, mid, link_model), method="m_topo")
+            hi = mid
+        except PlacementError:
+            lo = mid
+    return best
+
+
+@pytest.mark.parametrize("family", sorted(TIGHT_GRAPHS))
+@pytest.mark.parametrize("link_model", ["contention", "parallel"])
+@pytest.mark.parametrize("method", ["m_etf", "m_sct"])
+def test_every_family_places_at_1_1_in_both_link_models(family, link_model, method):
+    graph = TIGHT_GRAPHS[family]
+    devs = _tight_devices(graph, 1.1, link_model)
+    with pytest.raises(PlacementError):  # m-TOPO cannot
+        place(graph, devs, method="m_topo")
+    p = place(graph, devs, method=method)
+    limit = int(devs.memory_bytes[0])
+    # the independent liveness check: replay devices, order, send gates and waits
+    again = simulate(UnitGraph.singletons(graph, np.arange(graph.num_ops)), devs,
+                     p.device_index, p.schedule.order, **p.schedule.replay_options())
+    assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
+    assert again.makespan_us == pytest.approx(p.makespan_us)
+    assert p.makespan_us <= _m_topo_tightest(graph, link_model).makespan_us
+
+
+def test_repair_step_placements_name_the_ops_their_sends_wait_for():
+    graph = TIGHT_GRAPHS["layered"]
+    p = place(graph, _tight_devices(graph, 1.1, "parallel"), method="m_etf")
+    assert p.unit_schedule.info.get("memory_first")
+    gated = [row for row in p.transfers() if "after" in row]
+    assert gated and p.summary()["gated_sends"] == len(gated)
+    names = p.op_devices()
+    # a send waits for an op on its own source device
+    assert all(names[row["after"]] == row["src"] for row in gated)

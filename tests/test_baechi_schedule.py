@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.schedule import PlacementError, simulate
+from graphfit.baechi.memory import device_timelines
+from graphfit.baechi.schedule import PlacementError, ScheduleBuilder, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
@@ -126,3 +127,63 @@ def test_default_link_model_follows_the_devices():
     workers = DeviceSet.uniform([f"/job:worker/task:{i}/device:CPU:0" for i in range(2)],
                                 "1GiB", "0,1")
     assert workers.link_model == "contention"
+
+
+def test_a_gated_send_starts_after_its_gate_and_so_does_the_copy():
+    # a (1000 B) and x run on device 0; b on device 1 reads a. Ungated, a's copy is sent at 1
+    # and held on device 1 from then; gated on x (ends at 101), it is sent at 101.
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("x", "X", output_bytes=[10], compute_us=100),
+                    OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[1], compute_us=1)])
+    early = simulate(units, _devices(), [0, 0, 1])
+    assert early.transfer_start_us.tolist() == [1] and early.start_us[2] == 13
+    key = 0 * units.num_units + 2  # tensor of a, read by b
+    late = simulate(units, _devices(), [0, 0, 1], gates={key: 1})
+    assert late.transfer_start_us.tolist() == [101] and late.start_us[2] == 113
+    assert late.transfer_gate.tolist() == [1] and late.gates() == {key: 1}
+    times, level = device_timelines(late)[1]
+    assert level[times < 101].max() == 0 and level.max() == 1001
+    with pytest.raises(PlacementError, match="comes after its reader"):
+        simulate(units, _devices(), [0, 1, 1], order=[0, 2, 1], gates={key: 1})
+
+
+def test_late_sends_arrive_when_the_reader_could_start():
+    # device 1 is busy with y until 200; b (after y on device 1) reads a from device 0, where
+    # x runs until 101: the placer gates a's send on x, so it arrives at 113, not at 13.
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("y", "X", output_bytes=[10], compute_us=200),
+                    OpSpec("x", "X", output_bytes=[10], compute_us=100),
+                    OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[1], compute_us=1)])
+    builder = ScheduleBuilder(units, _devices(), late_sends=True)
+    for u, d in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        builder.commit(u, d)
+    s = builder.finish_schedule()
+    assert s.transfer_gate.tolist() == [2] and s.transfer_start_us.tolist() == [101]
+    assert s.start_us[3] == 200
+    again = simulate(units, _devices(), s.device, s.order, **s.replay_options())
+    assert again.start_us.tolist() == s.start_us.tolist()
+    assert again.peak_bytes.tolist() == s.peak_bytes.tolist()
+
+
+def test_a_tensor_received_twice_is_held_twice_for_its_own_readers():
+    # b and c on device 1 read a; the copy is freed after b and fetched again for c.
+    units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
+                    OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[1], compute_us=1),
+                    OpSpec("y", "X", output_bytes=[5000], compute_us=50),
+                    OpSpec("c", "X", inputs=[("a", 0), ("y", 0)], output_bytes=[1],
+                           compute_us=1)])
+    builder = ScheduleBuilder(units, _devices(), transient_copies=True)
+    for u, d in ((0, 0), (1, 1)):
+        builder.commit(u, d)
+    builder.advance(14)  # b ended at 14: its copy of a is released (y waits for it)
+    for u, d in ((2, 1), (3, 1)):
+        builder.commit(u, d)
+    s = builder.finish_schedule()
+    assert len(s.transfer_tensor) == 2 and s.transient_copies
+    # device 1: the first copy lives [1, 14] (b's read), the second from 13 to c's end (65),
+    # y [14, 65]: peak 1000 + 5000 + c's output during c; the first copy is not held to c
+    assert sorted(s.transfer_start_us.tolist()) == [1, 13]
+    assert s.peak_bytes[1] == 1000 + 5000 + 1
+    again = simulate(units, _devices(), s.device, s.order, **s.replay_options())
+    assert again.peak_bytes.tolist() == s.peak_bytes.tolist()
+    assert len(again.transfer_tensor) == 2

@@ -3,17 +3,18 @@ and does the planned step time match a real run?
 
 Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``):
 
-- ``quality``: generated graphs (layered and random families, 500 to 20,000 ops, and the
-  training-like family) on 4 devices with Baechi's GPU link fit (0.0001754 µs/B + 134 µs) and
+- ``quality``: generated graphs (layered, random, training-like and fork-join families, 500
+  to 20,000 ops) on 4 devices with Baechi's GPU link fit (0.0001754 µs/B + 134 µs) and
   ample memory. Per graph, placer and link model the placer planned with: wall and CPU seconds,
   makespan / lower bound in the planning model, and the same placement judged in the other link
   model (lower bound = max(critical path, compute / devices)).
 - ``tight``: at a per-device limit of 1.1 x (sequential peak / 4) (sequential peak: the whole
   step in op order on one device, liveness model), per graph, placer and link model: placed or
-  not, makespan / lower bound, the peak of an independent replay of the placement against the
-  limit; and m-TOPO's own tightest limit (bisected) with its makespan there. ``floor`` is the
-  largest single-op working set (inputs + output) / (sequential peak / 4): no placement can go
-  below it.
+  not, makespan / lower bound, the peak of an independent replay of the placement (devices,
+  order, send gates, waits) against the limit; and m-TOPO's own tightest limit (bisected) with
+  its makespan there, and the placer's makespan over that one. ``floor`` is the largest
+  single-op working set (inputs + output) / (sequential peak / 4): no placement can go below
+  it.
 - ``scale``: m-ETF and m-SCT on 100,000-op graphs, each in a fresh process, with wall and CPU
   seconds and the process's peak RSS.
 - ``planned_vs_measured``: small models profiled on one device, placed with m-ETF on a local TF
@@ -21,6 +22,9 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
   planned makespan set beside the measured median step time.
 
 The machine is shared: wall times are noisy, CPU seconds less so; see ``index.json``.
+
+    python -m graphfit.tools.bench_placement                  # all sections (about 2 hours)
+    python -m graphfit.tools.bench_placement tight --quick    # some sections, graphs <= 2k ops
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from graphfit.baechi.place import (METHODS, PlacementError, makespan_lower_bound
 from graphfit.baechi.schedule import simulate  # noqa: E402
 from graphfit.baechi.units import UnitGraph  # noqa: E402
 from graphfit.profiler.profile import atomic_write_json  # noqa: E402
-from graphfit.profiler.synthetic import layered, random_dag, training_like  # noqa: E402
+from graphfit.profiler.synthetic import (fork_join, layered, random_dag,  # noqa: E402
+                                         training_like)
 
 __all__ = ["main"]
 
@@ -54,24 +59,22 @@ NUM_DEVICES = 4
 COMM_COEFFS = "0.0001754,134"
 TIGHT_RATIO = 1.1
 SIZES = (500, 2_000, 8_000, 20_000)
-TIGHT_SIZES = (500, 2_000, 8_000)
+QUICK_SIZES = (500, 2_000)
 SCALE_OPS = 100_000
 BISECTION_STEPS = 7
-# The families: layered (256 ops a layer) and random (each op reads 1-3 of the 500 ops before
-# it) have live sets much larger than one op's working set; the random family with its
-# default window (50) is the exception kept to show the floor.
+# The families: layered (256 ops a layer), random (each op reads 1-3 of the 500 ops before
+# it), training-like and fork-join (64 branches a stage) have live sets much larger than one
+# op's working set; the random family with its default window (50) is the exception kept to
+# show the floor.
 FAMILIES = {
     "layered": lambda n: layered(n, seed=0, width=256),
     "random": lambda n: random_dag(n, seed=0, window=500),
+    "training_like": lambda n: training_like(n, seed=0),
+    "fork_join": lambda n: fork_join(n, seed=0),
 }
 EXTRA_GRAPHS = {
     "random_window50_2k": lambda: random_dag(2_000, seed=0),
-    "training_like_1k": lambda: training_like(1_000, seed=0),
-    "training_like_10k": lambda: training_like(10_000, seed=0),
 }
-# m-SCT's LP (HiGHS) did not finish within 10 minutes on the layered 8,000-op graph on the
-# shared machine, so m-SCT runs on layered graphs up to this size only.
-SCT_MAX_LAYERED_OPS = 2_000
 # Planned vs measured: (model, preset) pairs small enough for a 2-core machine.
 RUN_MODELS = (("mlp", "tiny"), ("resnet", "tiny"))
 # Transfer fit of the local gRPC cluster (tools/communication_benchmark.py --transport=grpc);
@@ -110,16 +113,10 @@ def _timed_place(graph, devices, **options):
     return p, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _methods(label, graph) -> tuple[str, ...]:
-    if label.startswith("layered") and graph.num_ops > SCT_MAX_LAYERED_OPS:
-        return tuple(m for m in METHODS if m != "m_sct")
-    return METHODS
-
-
 def _quality(label, graph) -> list[dict]:
     rows = []
     lower = makespan_lower_bound_us(graph, NUM_DEVICES)
-    for method in _methods(label, graph):
+    for method in METHODS:
         for link_model in LINK_MODELS:
             p, wall, cpu = _timed_place(graph, _devices(link_model=link_model), method=method)
             other = next(m for m in LINK_MODELS if m != link_model)
@@ -158,7 +155,7 @@ def _tight(label, graph) -> list[dict]:
     rows = []
     for link_model in LINK_MODELS:
         topo_ratio, topo_makespan = _m_topo_tightest(graph, seq, link_model)
-        for method in _methods(label, graph):
+        for method in METHODS:
             devices = _devices(limit, link_model)
             row = {"graph": label, "num_ops": graph.num_ops, "method": method,
                    "link_model": link_model, "ratio": TIGHT_RATIO, "limit_bytes": limit,
@@ -167,25 +164,28 @@ def _tight(label, graph) -> list[dict]:
                    "m_topo_makespan_at_tightest_us": topo_makespan}
             try:
                 p, wall, cpu = _timed_place(graph, devices, method=method)
-                replay = simulate(ops, devices, p.device_index, p.schedule.order)
+                replay = simulate(ops, devices, p.device_index, p.schedule.order,
+                                  **p.schedule.replay_options())
                 row.update(placed=True, wall_s=wall, cpu_s=cpu, makespan_us=p.makespan_us,
                            over_lower_bound=p.makespan_us / lower,
+                           over_m_topo=p.makespan_us / topo_makespan if topo_makespan else None,
                            replay_peak_over_limit=float(replay.peak_bytes.max() / limit),
                            repair_step=bool(p.unit_schedule.info.get("memory_first")),
                            attempts=p.unit_schedule.info.get("placement_attempts"))
             except PlacementError as e:
                 row.update(placed=False, error=str(e)[:300])
             rows.append(row)
-            what = (f"makespan/LB {row['over_lower_bound']:6.3f} replay peak/limit "
-                    f"{row['replay_peak_over_limit']:.3f} repair {row['repair_step']}"
-                    if row["placed"] else "not placed")
+            what = (f"makespan/LB {row['over_lower_bound']:6.3f} (/m_topo's "
+                    f"{row['over_m_topo'] or float('nan'):.3f}) replay peak/limit "
+                    f"{row['replay_peak_over_limit']:.3f} repair {row['repair_step']} "
+                    f"{row['wall_s']:.1f} s" if row["placed"] else "not placed")
             print(f"{label:>20} {link_model:>10} {method:>6} @{TIGHT_RATIO} (floor {floor:.2f},"
                   f" m_topo tightest {topo_ratio:.2f}): {what}", flush=True)
     return rows
 
 
 def _scale_child(family: str, method: str, link_model: str, queue) -> None:
-    graph = (FAMILIES[family] if family in FAMILIES else training_like)(SCALE_OPS)
+    graph = FAMILIES[family](SCALE_OPS)
     p, wall, cpu = _timed_place(graph, _devices(link_model=link_model), method=method)
     queue.put({"graph": f"{family}_{SCALE_OPS}", "num_ops": graph.num_ops, "method": method,
                "link_model": link_model, "wall_s": wall, "cpu_s": cpu,
@@ -197,7 +197,7 @@ def _scale() -> list[dict]:
     """Each placement in a fresh process, so its peak RSS is its own."""
     context = multiprocessing.get_context("spawn")
     rows = []
-    for family, methods in (("training_like", ("m_etf", "m_sct")), ("layered", ("m_etf",))):
+    for family, methods in (("training_like", ("m_etf", "m_sct")), ("layered", ("m_etf", "m_sct"))):
         for method in methods:
             for link_model in LINK_MODELS:
                 queue = context.Queue()
@@ -304,15 +304,20 @@ def _plot(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the sections named in ``argv`` (default: all), print tables, write JSON and plot."""
-    sections = list(argv or ["quality", "tight", "scale", "planned_vs_measured"])
+    """Run the sections named in ``argv`` (default: all), print tables, write JSON and plot.
+    ``--quick``: graphs up to 2,000 ops only."""
+    argv = list(argv or [])
+    quick = "--quick" in argv
+    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "scale",
+                                                       "planned_vs_measured"]
+    sizes = QUICK_SIZES if quick else SIZES
     began = time.perf_counter()
     result = {section: [] for section in sections}
     if "quality" in sections:
-        for label, graph in list(_graphs(SIZES)) + [(k, f()) for k, f in EXTRA_GRAPHS.items()]:
+        for label, graph in list(_graphs(sizes)) + [(k, f()) for k, f in EXTRA_GRAPHS.items()]:
             result["quality"] += _quality(label, graph)
     if "tight" in sections:
-        for label, graph in list(_graphs(TIGHT_SIZES)) + [
+        for label, graph in list(_graphs(sizes)) + [
                 ("random_window50_2k", EXTRA_GRAPHS["random_window50_2k"]())]:
             result["tight"] += _tight(label, graph)
     if "scale" in sections:
