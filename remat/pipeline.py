@@ -213,7 +213,10 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
                               item.loss)
     planned.stats["replay_peak_bytes"] = planned.peak_bytes
     planned.peak_bytes = tf_peak_bytes(model, planned)
-    beside = (side_by_side_events(model.plan_graph, planned) if side_by_side else set())
+    # Two events side by side only where the pair stays within the predicted peak (TF's
+    # accounting, below the replay's wherever TF reuses a buffer).
+    beside = (side_by_side_events(model.plan_graph, planned, planned.peak_bytes)
+              if side_by_side else set())
     plan = expand_plan(model, planned)
     plan.stats["baseline_peak_bytes"] = int(baseline_bytes)
     plan.stats["recomputed_ops"] = plan.recomputed_ops(model.cost_graph)

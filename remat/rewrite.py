@@ -22,10 +22,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   the 16-layer MLP: a clone of layer 3 running beside layer 15's, +20 MiB over the plan). The
   default ``pin_order="tail"`` chains every node in plan order (one edge per node, skipped
   where a data edge already orders the pair, and for source nodes, such as variable handles,
-  which an initialiser may read) from the backward pass on: from the first op
-  outside the loss's fan-in that reads a tensor the forward pass computed, or from the first
-  recomputation if that comes earlier. The backward pass then runs exactly in the plan's
-  order, as the memory prediction assumes, while each kernel keeps its intra-op threads.
+  which an initialiser may read) from the backward pass on: from the first gradient op that
+  reads an activation (``_backward_start``), or from the first recomputation if that comes
+  earlier. The backward pass then runs in the plan's order, as the memory prediction
+  assumes, while each kernel keeps its intra-op threads.
   Starting only at the first recomputation is not enough: when it comes late in the backward
   pass, the ops before it float, a layer's weight gradient (``MatMul_1``) and input gradient
   (``MatMul``) run side by side, and the slower one holds the activation or gradient both read
@@ -33,6 +33,14 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
   calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
   it too cost Inception-V3 10-25 % step time).
+- **Two at a time where memory allows.** A strict chain also takes TF's inter-op
+  parallelism from the backward pass (on a DenseNet-style Keras net about 0.2 of the step's
+  wall time). ``remat.side_by_side`` marks the events whose running beside the event before
+  them keeps the plan's replayed peak (``beside``); such a node waits for the event two back
+  instead (plus three back where that one itself ran beside its predecessor), every other
+  pinned node for the event before it (plus two back where that one ran beside its own). At
+  any moment every event up to two back has finished and no later one has started, which
+  is what the side-by-side memory check assumes.
 - **oneDNN's run-time fusions.** With oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``), TF's
   ``MklLayoutRewritePass`` runs after Grappler, on the graph the session executes, and merges
   node pairs into one node (``remat.tf_memory.FUSABLE_PAIRS``: ``Conv2D`` + ``BiasAdd``, ``Pad``
