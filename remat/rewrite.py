@@ -33,9 +33,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
   calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
   it too cost Inception-V3 10-25 % step time).
-- **Two at a time where memory allows.** A strict chain also takes TF's inter-op
-  parallelism from the backward pass (on a DenseNet-style Keras net about 0.2 of the step's
-  wall time). ``remat.side_by_side`` marks the events whose running beside the event before
+- **Two at a time where memory allows** (opt-in: ``remat.pipeline.rematerialize(...,
+  side_by_side=True)``). A strict chain also takes TF's inter-op parallelism from the
+  backward pass (on a DenseNet-style Keras net about 0.2 of the step's wall time).
+  ``remat.side_by_side`` marks the events whose running beside the event before
   them keeps the plan's replayed peak (``beside``); such a node waits for the event two back
   instead (plus three back where that one itself ran beside its predecessor), every other
   pinned node for the event before it (plus two back where that one ran beside its own). At
