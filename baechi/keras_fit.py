@@ -168,7 +168,8 @@ def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
         model(tf.convert_to_tensor(x[:1]))
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-    item = graph_item_from_function(_train_step(model), x, y, name=model.name)
+    train_step = _train_step(model)
+    item = graph_item_from_function(train_step, x, y, name=model.name)
     try:
         result = optimize(item, memory_budget=memory_budget, memory_ratio=memory_ratio,
                           remat_heuristic=remat_heuristic,
@@ -177,4 +178,7 @@ def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
     except BudgetError as error:
         raise KerasFitError(_budget_message(error, memory_budget, memory_ratio,
                                             remat_overhead_limit)) from error
-    return OptimizedStep(result, len(x), to_callable(result.item, item))
+    # Nothing rewritten (no budget): the user's own tf.function is the optimized step, as
+    # fast as the user's by construction.
+    return OptimizedStep(result, len(x), train_step if result.item is item
+                         else to_callable(result.item, item))

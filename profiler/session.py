@@ -36,7 +36,12 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-__all__ = ["session_config", "user_config", "make_session"]
+__all__ = ["session_config", "user_config", "make_session", "step_config", "REWRITING_PASSES"]
+
+# ``GraphItem.config`` keys the project's graph rewrites record (``remat.rewrite``,
+# ``remat.grad_accumulation``, ``remat.early_updates``): a step carrying one has clones or
+# ordering edges that CSE or the dependency optimizer would undo.
+REWRITING_PASSES = ("remat", "grad_accumulation", "early_updates", "update_order")
 
 
 def user_config(num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
@@ -57,6 +62,15 @@ def session_config(num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
     options.opt_level = tf.compat.v1.OptimizerOptions.L0
     options.do_common_subexpression_elimination = False
     return config
+
+
+def step_config(item, num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
+    """The configuration to run ``item``'s step with: ``session_config`` when a pass of the
+    project rewrote it (``REWRITING_PASSES``), else TF's defaults (``user_config``). A step no
+    pass changed (``baechi.optimize`` without a budget) is the user's graph under the user's
+    configuration, so it is exactly as fast as the user's own."""
+    rewritten = any(key in item.config for key in REWRITING_PASSES)
+    return (session_config if rewritten else user_config)(num_cpu_devices)
 
 
 def make_session(graph: tf.Graph, num_cpu_devices: int = 1, target: str = "",

@@ -47,9 +47,10 @@ Example (``train_step`` a Keras 3 ``@tf.function`` step returning the loss)::
     step = to_callable(rewritten)                          # trains the Keras model
     loss = step(x_batch, y_batch)
 
-Runs of the callable use the project's session configuration (``profiler.session.
-session_config``: Grappler at TF's defaults without CSE and the dependency optimizer), under
-which a rematerialized step keeps its clones and ordering edges.
+Runs of the callable use ``profiler.session.step_config``: for a rewritten step the project's
+session configuration (Grappler at TF's defaults without CSE and the dependency optimizer),
+under which a rematerialized step keeps its clones and ordering edges; for a step no pass
+changed, TF's defaults, as the user's own ``tf.function`` runs.
 """
 
 from __future__ import annotations
@@ -66,16 +67,16 @@ from tensorflow.python.eager import context as eager_context
 
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
-from graphfit.profiler.session import session_config
+from graphfit.profiler.session import step_config
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.unroll_loops import LoopUnrollError, unroll_loops
 
-__all__ = ["FunctionItem", "FunctionItemError", "classifier_train_step",
+__all__ = ["BACKWARD_SCOPE", "FunctionItem", "FunctionItemError", "classifier_train_step",
            "graph_item_from_function", "to_callable", "gradient_tensors"]
 
 # A name scope of the backward pass: tf.GradientTape names it ``gradient_tape``,
 # tf.gradients ``gradients``; later ones in the same graph get a ``_N`` suffix.
-_BACKWARD_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients)(_\d+)?/")
+BACKWARD_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients)(_\d+)?/")
 # tf.GradientTape sums the gradients of a tensor with several readers with AddN ops created in
 # the caller's name scope, outside ``gradient_tape/``.
 _GRADIENT_AGGREGATION_OP_TYPES = frozenset({"AddN"})
@@ -200,7 +201,7 @@ def gradient_tensors(graph: tf.Graph) -> list[str]:
     first_reader: dict[str, tuple[int, int]] = {}
     for position, op in enumerate(operations):
         made_by_backward = [t.op.name in backward for t in op.inputs]
-        if _BACKWARD_SCOPE.search(op.name) or (
+        if BACKWARD_SCOPE.search(op.name) or (
                 op.type in _GRADIENT_AGGREGATION_OP_TYPES and all(made_by_backward)):
             backward.add(op.name)
             continue
@@ -320,13 +321,13 @@ def _data_values(signature: list[Any], args: tuple) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _project_function_options() -> Iterator[None]:
-    """Run eager function calls with the project's session config, as every run in the
-    project does (``profiler.session``)."""
+def _function_options(config: tf.compat.v1.ConfigProto) -> Iterator[None]:
+    """Run eager function calls with ``config`` (``profiler.session.step_config`` of the
+    step: the project's when a pass rewrote it, TF's defaults otherwise)."""
     ctx = eager_context.context()
     previous = ctx.function_call_options
     options = eager_context.FunctionCallOptions(
-        executor_type=previous.executor_type, config_proto=session_config())
+        executor_type=previous.executor_type, config_proto=config)
     ctx.function_call_options = options
     try:
         yield
@@ -391,10 +392,11 @@ def to_callable(item: GraphItem, original: FunctionItem | None = None
             return tf.identity(loss)
 
     wrapped = tf.compat.v1.wrap_function(import_step, data_specs)
+    config = step_config(item)
 
     def step(*args: Any) -> tf.Tensor:
         data = _data_values(source.input_signature, args)
-        with _project_function_options():
+        with _function_options(config):
             return wrapped(*data)
 
     return step

@@ -22,13 +22,14 @@ the gradients are not (``remat.tf_memory.step_item``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
-import time
 from typing import Any
 
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import make_session, user_config
 from graphfit.profiler.step_compare import compare_steps
@@ -77,29 +78,20 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1,
 def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
                     warmup: int = 1, original_config: tf.compat.v1.ConfigProto | None = None
                     ) -> tuple[float, float]:
-    """Median over ``rounds`` of (rewritten step time / original step time), the two steps of
-    a round run back to back in two open sessions, and the original's median step time (µs).
-    The original runs with ``original_config`` (default: the project's ``session_config``, as
-    the rewritten step)."""
-    fetches = [[item.train_op, item.loss] for item in (original, rewritten)]
+    """Median over ``rounds`` of (rewritten step time / original step time), the two steps
+    run side by side in two open sessions (``profiler.paired_timing``), and the original's
+    median step time (µs). The original runs with ``original_config`` (default: the
+    project's ``session_config``, as the rewritten step)."""
     with make_session(original.graph, config=original_config) as first, \
             make_session(rewritten.graph) as second:
-        sessions = (first, second)
-        feeds = [item.feed_dict() for item in (original, rewritten)]
-        for session, item, feed, fetch in zip(sessions, (original, rewritten), feeds, fetches):
+        steps = {}
+        for name, session, item in (("original", first, original),
+                                    ("rewritten", second, rewritten)):
             session.run(item.init_op)
-            for _ in range(warmup):
-                session.run(fetch, feed)
-        ratios, original_us = [], []
-        for _ in range(rounds):
-            times = []
-            for session, feed, fetch in zip(sessions, feeds, fetches):
-                begin = time.perf_counter()
-                session.run(fetch, feed)
-                times.append(time.perf_counter() - begin)
-            ratios.append(times[1] / times[0])
-            original_us.append(times[0] * 1e6)
-    return statistics.median(ratios), statistics.median(original_us)
+            steps[name] = functools.partial(session.run, [item.train_op, item.loss],
+                                            item.feed_dict())
+        summary = ratio_summary(paired_step_times(steps, rounds, warmup), "original")
+    return summary["rewritten"]["median"], summary["original"]["median_ms"] * 1e3
 
 
 def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,

@@ -22,10 +22,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   the 16-layer MLP: a clone of layer 3 running beside layer 15's, +20 MiB over the plan). The
   default ``pin_order="tail"`` chains every node in plan order (one edge per node, skipped
   where a data edge already orders the pair, and for source nodes, such as variable handles,
-  which an initialiser may read) from the backward pass on: from the first op
-  outside the loss's fan-in that reads a tensor the forward pass computed, or from the first
-  recomputation if that comes earlier. The backward pass then runs exactly in the plan's
-  order, as the memory prediction assumes, while each kernel keeps its intra-op threads.
+  which an initialiser may read) from the backward pass on: from the first gradient op that
+  reads an activation (``_backward_start``), or from the first recomputation if that comes
+  earlier. The backward pass then runs in the plan's order, as the memory prediction
+  assumes, while each kernel keeps its intra-op threads.
   Starting only at the first recomputation is not enough: when it comes late in the backward
   pass, the ops before it float, a layer's weight gradient (``MatMul_1``) and input gradient
   (``MatMul``) run side by side, and the slower one holds the activation or gradient both read
@@ -33,6 +33,15 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
   calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
   it too cost Inception-V3 10-25 % step time).
+- **Two at a time where memory allows** (opt-in: ``remat.pipeline.rematerialize(...,
+  side_by_side=True)``). A strict chain also takes TF's inter-op parallelism from the
+  backward pass (on a DenseNet-style Keras net about 0.2 of the step's wall time).
+  ``remat.side_by_side`` marks the events whose running beside the event before
+  them keeps the plan's replayed peak (``beside``); such a node waits for the event two back
+  instead (plus three back where that one itself ran beside its predecessor), every other
+  pinned node for the event before it (plus two back where that one ran beside its own). At
+  any moment every event up to two back has finished and no later one has started, which
+  is what the side-by-side memory check assumes.
 - **oneDNN's run-time fusions.** With oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``), TF's
   ``MklLayoutRewritePass`` runs after Grappler, on the graph the session executes, and merges
   node pairs into one node (``remat.tf_memory.FUSABLE_PAIRS``: ``Conv2D`` + ``BiasAdd``, ``Pad``
@@ -77,6 +86,7 @@ import tensorflow as tf
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
+from graphfit.profiler.tf_function import BACKWARD_SCOPE
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.remat.graph_def_walk import GraphDefPassError, topological_order
 from graphfit.remat.recompute_graph import clone_name
@@ -233,23 +243,46 @@ def _protect_fusions(graph_def: tf.compat.v1.GraphDef) -> int:
     return unfused
 
 
+# Ops that read a tensor's shape only (TF runs them as soon as the tensor exists).
+_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
 def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> str | None:
-    """The first op of ``plan`` outside the loss's data fan-in that reads a tensor computed in
-    it (not a constant, feed or variable read): where the backward pass starts using the
-    forward pass's tensors (``None``: no such op). Control inputs are not followed: a traced
-    ``tf.function`` returns its loss through an ``Identity`` that waits for every update."""
-    forward, stack = set(), [item.graph.get_operation_by_name(item.loss.split(":")[0])]
+    """The first op of ``plan`` in the backward pass that reads an activation: outside the
+    loss's data fan-in, reading a tensor of the fan-in that depends on a variable (not a
+    shape of the feeds, a constant, a variable read itself) and, when the graph names its
+    backward pass (``gradient_tape/``, ``gradients/``), under that name scope. That is where
+    the backward pass starts using the forward pass's tensors (``None``: no such op).
+    Shape ops (``Shape``, ``ShapeN``, ``Size``, ``Rank``) read no values and never start it.
+
+    Control inputs are not followed, and the loss is found behind ``Identity`` ops: a traced
+    ``tf.function`` returns its loss through an ``Identity`` that waits for every update.
+    Ops that read only shapes of the feeds (a Keras step's first loss-gradient op divides by
+    the batch size) and BatchNorm's moving-average updates read forward tensors long before
+    the backward pass: pinning from one of them chained the whole forward pass too (measured
+    on the Keras conv net: from op 88 of 1156 on)."""
+    loss_op = item.graph.get_operation_by_name(item.loss.split(":")[0])
+    while loss_op.type == "Identity":
+        loss_op = loss_op.inputs[0].op
+    forward, stack = set(), [loss_op]
     while stack:
         op = stack.pop()
         if op.name not in forward:
             forward.add(op.name)
             stack.extend(t.op for t in op.inputs)
-    computed = {name for name in forward if any(
-        t.dtype != tf.resource for t in item.graph.get_operation_by_name(name).inputs)}
+    activations: set[str] = set()      # forward ops downstream of a variable
+    for name in cost_graph.names:      # topological
+        if name in forward and any(t.dtype == tf.resource or t.op.name in activations
+                                   for t in item.graph.get_operation_by_name(name).inputs):
+            activations.add(name)
+    scoped = any(BACKWARD_SCOPE.search(name) for name in cost_graph.names)
     for event in plan.events:
         name = cost_graph.names[event.index] if event.kind == COMPUTE else None
-        if name is not None and name not in forward and any(
-                t.op.name in computed for t in item.graph.get_operation_by_name(name).inputs):
+        if (name is None or name in forward or cost_graph.op_types[event.index] in
+                _SHAPE_OP_TYPES or (scoped and not BACKWARD_SCOPE.search(name))):
+            continue
+        if any(t.op.name in activations and t.dtype != tf.resource
+               for t in item.graph.get_operation_by_name(name).inputs):
             return name
     return None
 
@@ -257,8 +290,24 @@ def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> 
 PIN_ORDERS = ("tail", "clones")
 
 
+def _window_anchors(events_run: list[tuple[str, bool]], runs_beside: bool) -> list[str]:
+    """The nodes a pinned event waits for, so that every event up to the one before it
+    (``runs_beside``: up to the one two back) has finished when it starts. ``events_run``:
+    per earlier (re)compute event, its node and whether it may run beside its predecessor
+    (then it alone does not imply its predecessor finished, which is waited for too)."""
+    back = 2 if runs_beside else 1
+    if len(events_run) < back:
+        back = len(events_run)
+    if back == 0:
+        return []
+    anchor, anchor_beside = events_run[-back]
+    earlier = [events_run[-back - 1][0]] if anchor_beside and len(events_run) > back else []
+    return [anchor] + earlier
+
+
 def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
-            pin_order: str = "tail") -> GraphItem:
+            pin_order: str = "tail", beside: "set[int] | frozenset[int]" = frozenset()
+            ) -> GraphItem:
     """A new training step that executes ``plan`` (the original ``item`` is left untouched).
 
     Parameters:
@@ -269,6 +318,11 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         pin_order: ``"tail"``: every node from the backward pass's first read of the forward
             pass (or the first recomputation, if earlier) on gets a control edge from the
             previous plan event's node; ``"clones"``: only clones do.
+        beside: positions in ``plan.events`` of events that may run beside the event before
+            them (``remat.side_by_side``): such a node is pinned to the event two back (and
+            three back where that one ran beside its own predecessor), so at most two
+            adjacent events run at once; every other pinned node waits for the event before
+            it (and the one two back where that ran beside its predecessor).
 
     Returns:
         A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
@@ -297,7 +351,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     backward_start = _backward_start(item, cost_graph, plan)
     pinning = False                      # "tail": from the backward pass on
     control_edges = 0
-    anchors: dict[str, str] = {}         # pinned node -> the node it must run after
+    anchors: dict[str, list[str]] = {}  # pinned node -> the nodes it must run after
+    events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, ran beside
 
     def newest(producer: str, suffix: str) -> str:
         # What a read of ``producer`` + ``suffix`` reads now (see "Rewiring" above).
@@ -316,7 +371,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             if suffix != "^":
                 node.input[k] = newest(producer, suffix)
 
-    for event in plan.events:
+    for position, event in enumerate(plan.events):
         if event.kind == FREE:
             continue
         op_name = cost_graph.names[event.index]
@@ -348,13 +403,16 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
+        runs_beside = position in beside
         if event.kind == RECOMPUTE or (pin_order == "tail" and pinning and previous is not None
                                        and node.input):
-            anchors[node.name] = previous
-            if not any(_split_input(name)[0] == previous for name in node.input):
-                node.input.append("^" + previous)
-                control_edges += 1
+            anchors[node.name] = _window_anchors(events_run, runs_beside)
+            for anchor in anchors[node.name]:
+                if not any(_split_input(name)[0] == anchor for name in node.input):
+                    node.input.append("^" + anchor)
+                    control_edges += 1
         previous = version[op_name]
+        events_run.append((previous, runs_beside))
 
     graph_def.node.extend(clones)
     unfused = _protect_fusions(graph_def)
@@ -362,11 +420,13 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
-    for name, anchor in anchors.items():
+    for name, node_anchors in anchors.items():
         op = graph.get_operation_by_name(name)
-        if anchor not in {c.name for c in op.control_inputs} | {t.op.name for t in op.inputs}:
-            raise RematRewriteError(f"{name!r} lost its edge from {anchor!r}, which holds it "
-                                    "at its place in the plan")
+        before = {c.name for c in op.control_inputs} | {t.op.name for t in op.inputs}
+        for anchor in node_anchors:
+            if anchor not in before:
+                raise RematRewriteError(f"{name!r} lost its edge from {anchor!r}, which holds "
+                                        "it at its place in the plan")
     rewritten = item.with_graph(graph)
     rewritten.config = {**item.config,
                         "remat": {"clones": len(clones), "control_edges": control_edges,

@@ -73,3 +73,14 @@ def test_a_budget_below_the_minimum_names_the_smallest_ratio():
                        ) as error:
         optimize_model(_model(), x, y, memory_ratio=0.02, verify=False)
     assert "--" not in str(error.value)                # no command-line flags
+
+
+def test_without_a_budget_the_step_is_the_users_own_function():
+    """Nothing to recompute: the optimized step is the traced ``tf.function`` itself (TF's
+    defaults, no imported graph), so it is exactly as fast as the user's, and it trains."""
+    x, y = _data(1)
+    model, reference = _model(), _model()
+    step = optimize_model(model, x, y)
+    assert not any(record.changed for record in step.result.passes)
+    assert hasattr(step._step, "get_concrete_function")     # a tf.function, not an import
+    np.testing.assert_allclose(step(x, y), reference.train_on_batch(x, y), rtol=1e-4)
