@@ -453,11 +453,11 @@ class _Unroller:
 
     def _keep_running_sum_apart(self, sums: list[_Value]) -> None:
         """A loop variable that adds one contribution per iteration (a gradient loop's weight
-        gradient) unrolls into a chain of adds, each taking the previous sum's buffer over;
-        the memory model (``remat.tf_memory``) would fold it into one node that reads every
-        contribution at once. A control edge from each earlier sum to the last add, as
-        ``remat.grad_accumulation`` gives its chains, keeps each add a node of its own, so
-        the planner sees each contribution freed; it orders nothing the data edges do not."""
+        gradient) unrolls into a chain of adds, which Grappler's arithmetic optimizer would
+        fold into one ``AddN`` of every contribution when the step runs. A control edge from
+        each earlier sum to the last add, as ``remat.grad_accumulation`` gives its chains,
+        keeps the adds apart (Grappler leaves an add that drives a control edge alone); it
+        orders nothing the data edges do not."""
         if len(sums) < 3 or not all(isinstance(v, str) for v in sums):
             return
         adds = [self._nodes.get(_split(v)[0]) for v in sums]
