@@ -58,8 +58,11 @@ allocates, so this module calibrates a cost graph against one traced step:
 What stays approximate (it shows as prediction error in ``remat.measure`` reports): a variable
 update that runs while a read of the variable is still alive copies the variable
 (copy-on-write); the profile sees the copy as the update's temporary bytes, but it lives until
-the last reader finished. Planners plan with the shared replay, which counts the reuses above
-as new buffers: a plan is conservative by at most one such buffer.
+the last reader finished. A plan that recomputes a tensor ``Unpack`` sliced keeps its old
+buffer alive in TF, since the slices' readers still read the old slices (``remat.rewrite``
+reads around identity views only; the Keras RNNs with ``unroll=True`` measured here recompute
+nothing at 0.5). Planners plan with the shared replay, which counts the reuses above as new
+buffers: a plan is conservative by at most one such buffer.
 """
 
 from __future__ import annotations
