@@ -30,6 +30,9 @@ such loop into straight-line ops:
   when ``W`` is a control input or a kept node, a ``NoOp`` named ``W`` waits for every copy
   of a stateful op (variable reads) and every final value, so ordering edges to the loop
   still mean "after the loop".
+- **Sums from zero.** An ``AddN`` that adds an all-zero tensor (``Fill`` of 0,
+  ``ZerosLike``: a gradient loop's initial running sums, the gradients of unused step
+  outputs) drops it, so no zeros wait in memory from the step's start for the first add.
 - **Order.** Copies of iteration ``i`` that read nothing of the iteration but constants wait
   (control edges) for the results of iteration ``i - 1`` (the first iteration for the loop's
   own control inputs): TF runs the steps in order, as the loop did, rather than every step's
@@ -453,11 +456,11 @@ class _Unroller:
 
     def _keep_running_sum_apart(self, sums: list[_Value]) -> None:
         """A loop variable that adds one contribution per iteration (a gradient loop's weight
-        gradient) unrolls into a chain of adds, each taking the previous sum's buffer over;
-        the memory model (``remat.tf_memory``) would fold it into one node that reads every
-        contribution at once. A control edge from each earlier sum to the last add, as
-        ``remat.grad_accumulation`` gives its chains, keeps each add a node of its own, so
-        the planner sees each contribution freed; it orders nothing the data edges do not."""
+        gradient) unrolls into a chain of adds, which Grappler's arithmetic optimizer would
+        fold into one ``AddN`` of every contribution when the step runs. A control edge from
+        each earlier sum to the last add, as ``remat.grad_accumulation`` gives its chains,
+        keeps the adds apart (Grappler leaves an add that drives a control edge alone); it
+        orders nothing the data edges do not."""
         if len(sums) < 3 or not all(isinstance(v, str) for v in sums):
             return
         adds = [self._nodes.get(_split(v)[0]) for v in sums]
@@ -668,6 +671,52 @@ def _prune(nodes: list[node_def_pb2.NodeDef], candidates: set[str], keep: set[st
     return [node for node in nodes if node.name not in dead]
 
 
+def _zeros(nodes: list[node_def_pb2.NodeDef]) -> set[str]:
+    """Nodes whose output is all zeros: ``ZerosLike``, and ``Fill`` of a constant 0."""
+    by_name = {node.name: node for node in nodes}
+    found = set()
+    for node in nodes:
+        if node.op == "ZerosLike":
+            found.add(node.name)
+        elif node.op == "Fill":
+            value = by_name.get(_split(node.input[1])[0])
+            if value is not None and value.op == "Const" and not np.any(
+                    tf.make_ndarray(value.attr["value"].tensor)):
+                found.add(node.name)
+    return found
+
+
+def _drop_zero_addends(nodes: list[node_def_pb2.NodeDef]) -> set[str]:
+    """Drop, in place, the all-zero inputs of every ``AddN`` (whose inputs all have its
+    shape: nothing broadcasts); an ``AddN`` left with one input becomes an ``Identity`` of it.
+    Returns the zero nodes that were read.
+
+    A gradient loop starts each weight gradient's running sum from zeros, and adds zeros for
+    the gradient of every step output the loss does not read. Unrolled, the executor runs
+    such a ``Fill`` as soon as the step starts (nothing orders it later) and holds it until
+    the first iteration's add: on a Keras LSTM of 128 units, 320 KiB through the whole forward
+    pass, 6% of the step's peak."""
+    zeros = _zeros(nodes)
+    dropped: set[str] = set()
+    for node in nodes:
+        if node.op != "AddN":
+            continue
+        data = _data_inputs(node)
+        kept = [i for i in data if _split(i)[0] not in zeros]
+        if len(kept) == len(data) or not kept:
+            continue
+        dropped |= {_split(i)[0] for i in data} - {_split(i)[0] for i in kept}
+        controls = [i for i in node.input if i.startswith("^")]
+        del node.input[:]
+        node.input.extend(kept + controls)
+        if len(kept) == 1:
+            node.op = "Identity"
+            del node.attr["N"]
+        else:
+            node.attr["N"].i = len(kept)
+    return dropped
+
+
 @dataclasses.dataclass(frozen=True)
 class UnrollReport:
     """What ``unroll_loops`` did: trip count per loop, ops before and after, TensorList ops
@@ -701,7 +750,8 @@ def unroll_loops(graph_def: graph_pb2.GraphDef, keep: Iterable[str] = ()
     unroller = _Unroller(graph_def, keep)
     nodes = unroller.run(_topological(list(graph_def.node)))
     read_before = {_split(i.lstrip("^"))[0] for node in graph_def.node for i in node.input}
-    nodes = _prune(nodes, unroller.emitted | read_before, keep)
+    zeros = _drop_zero_addends(nodes)
+    nodes = _prune(nodes, unroller.emitted | read_before | zeros, keep)
     names = [node.name for node in nodes]
     if len(set(names)) != len(names) or any(node.op in _LOOP_OPS for node in nodes):
         raise AssertionError("unrolling produced duplicate names or left a loop")

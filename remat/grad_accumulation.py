@@ -18,9 +18,13 @@ and of Grappler's memory optimizer, done in the GraphDef before profiling, so th
 the cost graph and therefore the rematerialization planner all see the freed memory.
 
 The last add keeps the summing node's name, so its readers and every fetched name are
-unchanged; it also carries a control edge from each earlier partial sum, which keeps the
-memory model from folding the chain back into one node that reads every contribution at once. Floating-point addition is not associative: the sums equal the originals within
-float tolerance, not bit for bit.
+unchanged; it also carries a control edge from each earlier partial sum, which keeps
+Grappler's arithmetic optimizer from folding the chain back into one ``AddN`` when the step
+runs (measured on a Keras GRU, seq 32: without the edges the step's peak after the passes is
+1.00 of the original's, with them 0.33). The memory model keeps each add a planning node of
+its own whether or not it drives an edge (its contribution appears after the partial sum it
+extends, ``remat.tf_memory``). Floating-point addition is not associative: the sums equal the
+originals within float tolerance, not bit for bit.
 
 Preconditions: the step's graph holds no cycle. Postconditions: the rewritten graph imports,
 is acyclic, keeps every fetched and fed name, and every contribution of a rewritten sum is read
@@ -55,10 +59,10 @@ def _chain(node: tf.compat.v1.NodeDef, contributions: list[str], controls: list[
             add.attr["_class"].CopyFrom(node.attr["_class"])
         adds.append(add)
         partial = add.name
-    # Each add takes its partial sum's buffer over, so the memory model (remat.tf_memory)
-    # would fold the chain into one planning node reading every contribution at once, which
-    # is the pile-up this pass removes. A partial sum another op waits for stays a node of
-    # its own there; the edges to the last add order nothing the data edges do not.
+    # Grappler's arithmetic optimizer (on in the project's session) folds a tree of adds
+    # whose partial sums have one reader each back into one AddN (AddOpsRewriteStage), which
+    # would undo this pass at run time; it leaves an add alone that drives a control edge.
+    # The edges to the last add order nothing the data edges do not.
     adds[-1].input.extend("^" + add.name for add in adds[:-2])
     return adds
 

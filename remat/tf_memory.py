@@ -33,6 +33,16 @@ allocates, so this module calibrates a cost graph against one traced step:
   replica context's all-reduce); counting its outputs as new buffers would double the
   gradients' bytes (twice over: it lists each gradient twice). ``remat.rewrite`` reads a
   recomputed source directly where a plan recomputes it after the view was taken.
+- **Slices are views.** Several outputs at one input's buffer share it: ``Unpack`` along
+  axis 0 (a Keras RNN with ``unroll=True`` unstacks its input sequence) returns slices of
+  its input without copying, and the trace shows each slice at the input's own address with
+  the input's size. They get 0 bytes and are views like the identities' (counted once per
+  slice, a sequence of 32 steps would count 32 times its bytes: +8 MiB, 1.5x the measured
+  peak, on a Keras LSTM of 256 units after the graph passes).
+- **A chain does not wait.** A planning node reads all its ops' inputs when its first op
+  runs. An op whose other input the step allocated after the chain's first op started (a
+  running sum's next contribution, which takes the partial sum's buffer over) does not join
+  the chain: its reuse of the buffer is a last reader's (below).
 - **Only the step's buffers move.** A buffer is taken over only from an input the step
   allocated: constants and variable reads are the runtime's buffers, and an op returning one
   of them (a ``Reshape`` of a ``Const``, an empty ``Prod``) aliases it, which is free; it never
@@ -48,12 +58,16 @@ allocates, so this module calibrates a cost graph against one traced step:
 What stays approximate (it shows as prediction error in ``remat.measure`` reports): a variable
 update that runs while a read of the variable is still alive copies the variable
 (copy-on-write); the profile sees the copy as the update's temporary bytes, but it lives until
-the last reader finished. Planners plan with the shared replay, which counts the reuses above
-as new buffers: a plan is conservative by at most one such buffer.
+the last reader finished. A plan that recomputes a tensor ``Unpack`` sliced keeps its old
+buffer alive in TF, since the slices' readers still read the old slices (``remat.rewrite``
+reads around identity views only; the Keras RNNs with ``unroll=True`` measured here recompute
+nothing at 0.5). Planners plan with the shared replay, which counts the reuses above as new
+buffers: a plan is conservative by at most one such buffer.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import tensorflow as tf
@@ -65,7 +79,7 @@ from graphfit.profiler.session import make_session
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.plan import FREE, Event, RematPlan
 
-__all__ = ["MemoryModel", "StepTrace", "trace_step", "tf_memory_model", "expand_plan",
+__all__ = ["MemoryModel", "StepTrace", "trace_step", "step_trace", "tf_memory_model", "expand_plan",
            "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES", "FEED_OP_TYPES", "FUSABLE_PAIRS"]
 
 FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
@@ -110,6 +124,11 @@ def trace_step(item: GraphItem, warmup: int = 1, num_cpu_devices: int = 1) -> St
         for _ in range(warmup):
             session.run(fetches, feeds)
         session.run(fetches, feeds, options=options, run_metadata=metadata)
+    return step_trace(metadata)
+
+
+def step_trace(metadata: tf.compat.v1.RunMetadata) -> StepTrace:
+    """The ``StepTrace`` of one traced run (its ``RunMetadata``)."""
     trace = StepTrace({}, {}, {})
     for device in metadata.step_stats.dev_stats:
         for ns in device.node_stats:
@@ -178,15 +197,20 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
                 chained.add(spec.name)
     views: dict[tuple[str, int], tuple[str, int]] = {}   # identity output -> tensor it shows
     last_reader_forwards = []             # (reader, producer, port): a shared buffer taken over
+    head = {}                             # chained reader -> the first op of its chain
     for spec in specs:
         forwards = _calibrate(spec, trace)
+        sharing = collections.Counter(forwards.values())
         for output_port, (producer, port) in forwards.items():
             if (len(forwards) == 1 and readers[(producer, port)] == 1
                     and len(trace.address[producer]) == 1 and producer not in awaited
-                    and spec.name not in chained):
+                    and spec.name not in chained
+                    and not _reads_later_buffer(spec, producer, head.get(producer, producer),
+                                               trace)):
                 forwarded_into[producer] = spec.name
                 chained.add(spec.name)
-            elif spec.op_type in IDENTITY_OP_TYPES:
+                head[spec.name] = head.get(producer, producer)
+            elif spec.op_type in IDENTITY_OP_TYPES or sharing[(producer, port)] > 1:
                 spec.output_bytes[output_port] = 0
                 views[(spec.name, output_port)] = (producer, port)
             else:
@@ -206,6 +230,24 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
             reuses.setdefault(head_node[reader], []).append(
                 int(plan_graph.output_offset[node]) + port)
     return MemoryModel(cost_graph, plan_graph, members, reuses)
+
+
+def _reads_later_buffer(spec: OpSpec, forwarded: str, chain_head: str, trace: StepTrace
+                        ) -> bool:
+    """Whether ``spec`` reads, besides ``forwarded``'s buffer that it takes over, a buffer the
+    step allocated after ``chain_head`` started.
+
+    A chain is one planning node, which reads all its members' inputs at once when its head
+    runs. A running sum ``s_k = s_{k-1} + c_{k+1}`` takes ``s_{k-1}``'s buffer over, but its
+    contribution ``c_{k+1}`` appears later, after ops that the chain must not wait for:
+    folded into one node, every contribution of the sum would be alive together, which is the
+    pile-up ``remat.grad_accumulation`` removes. Such a reader stays a node of its own, and
+    its reuse of the buffer is a last-reader reuse (``MemoryModel.reuses``).
+    """
+    start = trace.start_us.get(chain_head)
+    return start is not None and any(
+        producer != forwarded and trace.allocated.get(producer, {}).get(port)
+        and trace.start_us.get(producer, start) > start for producer, port in spec.inputs)
 
 
 def _viewed(views: dict[tuple[str, int], tuple[str, int]], tensor: tuple[str, int]

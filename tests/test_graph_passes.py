@@ -62,8 +62,10 @@ def test_running_sum_replaces_the_addn_keeps_gradients_and_lowers_the_peak():
     assert summed.gradients == item.gradients
     assert compare_steps(item, summed).equal
     contribution = WIDTH * WIDTH * 4
-    # All STEPS contributions wait for the AddN; the running sum holds about two at a time.
-    assert _peak_bytes(summed) <= _peak_bytes(item) - (STEPS // 2) * contribution
+    # All STEPS contributions wait for the AddN; the running sum holds two to seven at a time
+    # (the executor sometimes runs contributions ahead of the adds: measured 4.3-8.5 MB
+    # against 13.8 MB on two loaded cores).
+    assert _peak_bytes(summed) <= _peak_bytes(item) - (STEPS // 3) * contribution
 
 
 def test_accumulation_leaves_steps_without_large_sums_alone():
@@ -142,3 +144,118 @@ def test_a_keras_lstm_nobody_here_wrote_fits_lower_with_both_passes():
     assert compare_weights(item, both)[0]
     recurrent_gradient = 256 * 1024 * 4
     assert _peak_bytes(both) <= _peak_bytes(item) - 8 * recurrent_gradient
+
+
+def _unstacked_rnn(steps: int = 16, width: int = 256, batch: int = 64) -> GraphItem:
+    """A v1 RNN over ``tf.unstack`` of a computed sequence: the slices are views of one buffer
+    (TF's ``Unpack`` along axis 0 slices without copying), which the trace shows at the
+    buffer's own address, once per slice."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [steps, batch, width], name="x")
+        w = tf.compat.v1.get_variable("w", [width, width], use_resource=True,
+                                      initializer=tf.compat.v1.random_normal_initializer(0, 0.05))
+        h = tf.zeros([batch, width])
+        for x_t in tf.unstack(tf.multiply(x, 0.5, name="scaled"), name="slices"):
+            h = tf.tanh(tf.matmul(h, w) + x_t)
+        loss = tf.identity(tf.reduce_sum(h * h), name="loss")
+        gradient, = tf.compat.v1.gradients(loss, [w])
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+            [(gradient, w)], name="train_op")
+        init = tf.compat.v1.global_variables_initializer()
+    batch_data = np.random.default_rng(0).standard_normal((steps, batch, width), np.float32)
+    return GraphItem(graph, train.name, loss.name, [gradient.name], init.name,
+                     {"x:0": batch_data}, name="unstacked_rnn")
+
+
+def _traced_run(item: GraphItem, config: "tf.compat.v1.ConfigProto | None" = None):
+    """The ``RunMetadata`` of one traced training step of ``item`` (after one untraced)."""
+    from graphfit.profiler.session import make_session
+
+    step = step_item(item)
+    metadata = tf.compat.v1.RunMetadata()
+    with make_session(step.graph, config=config) as session:
+        session.run(step.init_op)
+        session.run([step.train_op, step.loss], step.feed_dict())
+        session.run([step.train_op, step.loss], step.feed_dict(), run_metadata=metadata,
+                    options=tf.compat.v1.RunOptions(
+                        trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+    return metadata
+
+
+def _predicted_and_measured(item: GraphItem) -> tuple[int, int]:
+    """The memory model's peak of ``item``'s step without recomputation (what a plan of it
+    predicts) and the measured peak, both of one traced run: the executor's order of
+    independent ops changes from run to run, and with it the peak."""
+    from graphfit.profiler.trace import profile_from_run_metadata
+    from graphfit.remat.baselines import checkpoint_all
+    from graphfit.remat.tf_memory import step_trace, tf_memory_model, tf_peak_bytes
+
+    metadata = _traced_run(item)
+    _, devices = profile_from_run_metadata(item.graph, [metadata], set())
+    model = tf_memory_model(step_item(item), trace=step_trace(metadata))
+    return (tf_peak_bytes(model, checkpoint_all(model.plan_graph)),
+            max(device.peak_bytes for device in devices.values()))
+
+
+def test_memory_model_counts_unstacked_slices_as_views():
+    from graphfit.remat.tf_memory import tf_memory_model
+
+    item = _unstacked_rnn()
+    model = tf_memory_model(step_item(item))
+    slices = model.cost_graph.index["slices"]
+    assert model.cost_graph.output_bytes(slices).sum() == 0
+    # Counted as 16 buffers of the whole sequence, the slices alone would be 16 x 4 MiB.
+    predicted, measured = _predicted_and_measured(item)
+    assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
+
+
+def test_running_sums_run_as_adds():
+    from graphfit.remat.tf_memory import step_trace
+
+    summed, _ = accumulate_gradients(_unrolled_rnn())
+    trace = step_trace(_traced_run(summed))
+    # Grappler's arithmetic optimizer would fold the adds back into one AddN: they must run.
+    adds = [op.name for op in summed.graph.get_operations() if "/accumulate_" in op.name]
+    assert len(adds) == STEPS - 2 and all(name in trace.start_us for name in adds)
+    predicted, measured = _predicted_and_measured(summed)
+    # Two cores run a contribution's MatMul next to the add before it, which a sequential
+    # replay cannot show: the two differ by at most about one contribution.
+    assert abs(predicted - measured) <= 1.05 * WIDTH * WIDTH * 4, (predicted, measured)
+
+
+def test_memory_model_keeps_each_add_of_a_running_sum_apart():
+    """A chain of adds, each taking the previous sum's buffer over, is one buffer; but each
+    add's contribution appears later, so folding the chain into one planning node would
+    read every contribution at once. Run here without Grappler's arithmetic optimizer and
+    without the edges that keep it off the chain, so that TF runs the adds as written."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    from graphfit.profiler.session import session_config
+    from graphfit.remat.tf_memory import step_trace, tf_memory_model
+
+    summed, _ = accumulate_gradients(_unrolled_rnn())
+    graph_def = summed.graph.as_graph_def()
+    for node in graph_def.node:
+        data = [i for i in node.input if not (i.startswith("^") and "/accumulate_" in i)]
+        del node.input[:]
+        node.input.extend(data)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    plain = summed.with_graph(graph)
+    config = session_config()
+    config.graph_options.rewrite_options.arithmetic_optimization = \
+        rewriter_config_pb2.RewriterConfig.OFF
+    trace = step_trace(_traced_run(plain, config))
+    model = tf_memory_model(step_item(plain), trace=trace)
+    graph, plan_graph = model.cost_graph, model.plan_graph
+    contribution = WIDTH * WIDTH * 4
+    for node in range(plan_graph.num_ops):
+        # A node reads a contribution only if it existed when the node's first op started
+        # (then TF too held them together), never one made later: not the whole chain.
+        first = trace.start_us.get(graph.names[model.members[node][0]])
+        read = [plan_graph.names[int(plan_graph.tensor_producer[t])]
+                for t in plan_graph.op_inputs(node) if plan_graph.tensor_bytes[t] == contribution]
+        assert len(read) < STEPS - 1, plan_graph.names[node]
+        assert first is None or all(trace.start_us[name] <= first for name in read)

@@ -113,6 +113,10 @@ def test_while_loop_with_a_static_bound_is_unrolled():
     reference_weight, reference_step = _while_step(lambda x: 3)
     item = graph_item_from_function(train_step, _batch()[0])
     assert sorted(item.config["unrolled_loops"].values()) == [3, 3]
+    # The gradient loop's running sum starts at zeros: the first add is the contribution.
+    ops = step_operations(item.graph, [item.train_op, item.loss])
+    assert not [op for op in ops if op.type == "AddN" and any(
+        t.op.type in ("Fill", "ZerosLike") for t in op.inputs)]
     _assert_trains_like(lambda x, y: to_callable(item)(x), lambda x, y: reference_step(x),
                         lambda: [weight.numpy()], lambda: [reference_weight.numpy()])
 

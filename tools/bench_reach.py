@@ -3,7 +3,9 @@
 For zoo models (``default`` and ``activations`` presets) and Keras 3 models written here with
 stock Keras layers (a ResNet-style conv net with BatchNorm and residual adds, a MobileNet-style
 depthwise net, a DenseNet-style net of concatenations, LSTM and GRU classifiers with
-``unroll=True``, an attention block), at shapes this 2-core machine runs in minutes:
+``unroll=True`` and with Keras's default ``unroll=False``, an attention block), and
+``keras.applications`` models (ResNet50, MobileNetV2; SGD), at shapes this 2-core machine runs
+in minutes:
 
 - ``baseline_peak_bytes``: the step's measured peak (allocator records, as ``remat.measure``);
 - ``graph_passes``: what ``remat.pipeline.prepare_step`` (gradient accumulation, early
@@ -59,10 +61,10 @@ def keras_step_item(name: str, model, optimizer, x: np.ndarray, y: np.ndarray):
     return graph_item_from_function(train_step, x, y, name=name)
 
 
-def _keras(name: str, layers: Callable, input_shape: tuple, batch: int, classes: int = 10
-           ) -> Callable:
-    """A builder of the step (Adam) of a Keras model ``layers(keras, inputs, classes) ->
-    logits``, traced at ``batch``."""
+def _keras(name: str, layers: Callable, input_shape: tuple, batch: int, classes: int = 10,
+           optimizer: str = "adam") -> Callable:
+    """A builder of the step (``optimizer``: ``adam`` or ``sgd``) of a Keras model
+    ``layers(keras, inputs, classes) -> logits``, traced at ``batch``."""
     def build():
         os.environ.setdefault("KERAS_BACKEND", "tensorflow")
         import keras
@@ -71,9 +73,18 @@ def _keras(name: str, layers: Callable, input_shape: tuple, batch: int, classes:
         inputs = keras.Input(input_shape)
         model = keras.Model(inputs, layers(keras, inputs, classes))
         x = np.random.default_rng(0).standard_normal((batch, *input_shape), dtype=np.float32)
-        return keras_step_item(name, model, keras.optimizers.Adam(1e-3), x,
-                               np.arange(batch) % classes)
+        step_optimizer = (keras.optimizers.Adam(1e-3) if optimizer == "adam"
+                          else keras.optimizers.SGD(1e-2))
+        return keras_step_item(name, model, step_optimizer, x, np.arange(batch) % classes)
     return build
+
+
+def _application(architecture: str):
+    """A ``keras.applications`` model nobody here wrote (random weights, logits out)."""
+    def layers(keras, x, classes):
+        return getattr(keras.applications, architecture)(
+            weights=None, input_tensor=x, classes=classes, classifier_activation=None).output
+    return layers
 
 
 def _resnet(keras, x, classes, widths=(32, 64, 128), blocks=2):
@@ -122,9 +133,9 @@ def _densenet(keras, x, classes, blocks=3, layers_per_block=6, growth=16):
     return layers.Dense(classes)(layers.GlobalAveragePooling2D()(layers.ReLU()(x)))
 
 
-def _recurrent(cell: str, units=256):
+def _recurrent(cell: str, units=256, unroll=True):
     def layers(keras, x, classes):
-        rnn = getattr(keras.layers, cell)(units, unroll=True)
+        rnn = getattr(keras.layers, cell)(units, unroll=unroll)
         return keras.layers.Dense(classes)(rnn(x))
     return layers
 
@@ -155,8 +166,19 @@ MODELS: dict[str, Callable] = {
     "keras_lstm": _keras("keras_lstm", _recurrent("LSTM"), (32, 64), 32),
     "keras_gru": _keras("keras_gru", _recurrent("GRU"), (32, 64), 32),
     "keras_attention": _keras("keras_attention", _attention, (128, 128), 16),
+    # Keras's default unroll=False: the loops are unrolled at trace time
+    # (profiler.unroll_loops); the shapes of bench_loops.
+    "keras_lstm_loop": _keras("keras_lstm_loop", _recurrent("LSTM", 128, unroll=False),
+                              (32, 32), 32),
+    "keras_gru_loop": _keras("keras_gru_loop", _recurrent("GRU", 128, unroll=False),
+                             (32, 32), 32),
+    "keras_resnet50": _keras("keras_resnet50", _application("ResNet50"), (64, 64, 3), 8,
+                             optimizer="sgd"),
+    "keras_mobilenetv2": _keras("keras_mobilenetv2", _application("MobileNetV2"),
+                                (64, 64, 3), 8, optimizer="sgd"),
 }
-QUICK_MODELS = ("mlp/activations", "keras_lstm", "keras_densenet")
+QUICK_MODELS = ("mlp/activations", "keras_lstm", "keras_gru", "keras_lstm_loop",
+                "keras_gru_loop", "keras_densenet", "keras_resnet50")
 
 
 def _lowest_ratio(plan_graph, loss: str, baseline_bytes: int, planner: str,
