@@ -3,7 +3,12 @@
 A graph pass must change where or when ops run, never what they compute: a rematerialization
 rewrite (``remat.rewrite``) and a placement (``baechi.apply``) are both checked by running one step
 of the original graph and one of the transformed graph and comparing the loss and every gradient
-with ``numpy.allclose``.
+with ``tensors_close``: within ``atol + rtol * max |reference|`` of the reference, tensor by
+tensor. The tolerance is relative to each tensor's largest magnitude rather than to each element
+(``numpy.allclose``) because the rounding of a sum computed in another order (devices, oneDNN's
+fused against unfused kernels) scales with the sum's terms, not with its result: an element
+where large terms cancel to nearly zero differs by far more than ``rtol`` of itself (seen: a
+rematerialized ResNet-50 under oneDNN, 6.4e-5 on gradients of magnitude up to 113).
 
 Both steps start from the same variables whatever their initialisers would draw: the reference's
 initialisers run first, the values they assign are fetched, and those values are fed into the
@@ -47,8 +52,8 @@ class StepComparison:
 
     Attributes:
         loss_reference / loss_candidate: the two losses.
-        loss_equal: the losses are ``numpy.allclose(rtol, atol)``.
-        gradients_equal: every gradient is ``numpy.allclose(rtol, atol)`` to the reference's.
+        loss_equal: the losses are ``tensors_close(rtol, atol)``.
+        gradients_equal: every gradient is ``tensors_close(rtol, atol)`` to the reference's.
         max_abs_gradient_diff: largest elementwise |difference| over all gradients.
         max_abs_gradient: largest |gradient| of the reference, for scale.
         rtol, atol: the tolerances used.
@@ -132,6 +137,17 @@ def _one_step(item: GraphItem, session: tf.compat.v1.Session,
     return dict(zip(names, values)), float(outputs[1]), list(outputs[2:])
 
 
+def tensors_close(candidate: np.ndarray, reference: np.ndarray, rtol: float,
+                  atol: float) -> bool:
+    """Is ``candidate`` within ``atol + rtol * max |reference|`` of ``reference`` everywhere
+    (module docstring: why the largest magnitude, not each element's)?"""
+    candidate, reference = np.asarray(candidate), np.asarray(reference)
+    if candidate.shape != reference.shape:
+        return False
+    scale = float(np.max(np.abs(reference), initial=0.0))
+    return bool(np.all(np.abs(candidate - reference) <= atol + rtol * scale))
+
+
 def compare_steps(reference: GraphItem, candidate: GraphItem,
                   candidate_session: Callable[[tf.Graph], tf.compat.v1.Session] = make_session,
                   rtol: float = 1e-5, atol: float = 1e-6) -> StepComparison:
@@ -145,7 +161,7 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
         candidate_session: graph -> a session to run ``candidate`` in, e.g.
             ``baechi.run.RunTarget.session`` for several devices or a gRPC cluster; by default
             one device (``profiler.session.make_session``).
-        rtol, atol: tolerances of ``numpy.allclose`` (devices may sum in another order).
+        rtol, atol: tolerances of ``tensors_close`` (devices may sum in another order).
 
     Returns:
         The comparison (``seeded_random_ops``: the unseeded random ops both graphs ran with a
@@ -163,8 +179,8 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
     pairs = list(zip(gradients_candidate, gradients_reference))
     return StepComparison(
         loss_reference=loss_reference, loss_candidate=loss_candidate,
-        loss_equal=bool(np.allclose(loss_candidate, loss_reference, rtol=rtol, atol=atol)),
-        gradients_equal=all(bool(np.allclose(c, r, rtol=rtol, atol=atol)) for c, r in pairs),
+        loss_equal=tensors_close(loss_candidate, loss_reference, rtol, atol),
+        gradients_equal=all(tensors_close(c, r, rtol, atol) for c, r in pairs),
         max_abs_gradient_diff=max((float(np.max(np.abs(c - r), initial=0.0)) for c, r in pairs),
                                   default=0.0),
         max_abs_gradient=max((float(np.max(np.abs(r), initial=0.0))
@@ -195,7 +211,7 @@ def _variable_values(item: GraphItem, initial_values: Mapping[str, np.ndarray] |
 def compare_weights(reference: GraphItem, candidate: GraphItem, rtol: float = 1e-5,
                     atol: float = 1e-6) -> tuple[bool, float]:
     """One training step of each from identical initial variables: are the variables after
-    the step equal (``numpy.allclose``)? Returns ``(equal, max |difference|)``.
+    the step equal (``tensors_close``)? Returns ``(equal, max |difference|)``.
 
     The check for passes that move optimizer updates (``remat.early_updates``): equal
     gradients do not prove the updates read the right values. Optimizer slots and counters
@@ -208,6 +224,6 @@ def compare_weights(reference: GraphItem, candidate: GraphItem, rtol: float = 1e
     _, after_candidate = _variable_values(seed_random_ops(candidate)[0], initial)
     diffs = [float(np.max(np.abs(after_candidate[name] - value), initial=0.0))
              for name, value in after_reference.items()]
-    equal = all(np.allclose(after_candidate[name], value, rtol=rtol, atol=atol)
+    equal = all(tensors_close(after_candidate[name], value, rtol, atol)
                 for name, value in after_reference.items())
     return equal, max(diffs, default=0.0)
