@@ -21,12 +21,14 @@ relaxation of the same model:
   relaxation. It ignores the memory of recomputations in the middle of a stage; the replay
   measures that, and the LP is re-solved at a lower budget when a rounding does not fit
   (Checkmate does the same).
-- **Groups, on graphs larger than ``max_groups`` decision ops.** Consecutive decision ops
+- **Groups, on graphs with more than ``max_groups`` decision ops** (fewer groups still when
+  the LP would have more than ``MAX_NONZEROS`` nonzeros). Consecutive decision ops
   (in topological order) form one group: one stage, one ``R`` per (stage, group) and one
-  checkpoint unit for all the tensors the group's ops pass to later stages. This coarsens the
-  *nodes* the LP decides on, not only the stages: the model has at most ``max_groups`` stages
-  and ``max_groups`` units, so O(max_groups²) variables whatever the graph. The rounding still
-  works op by op (phase 2 recomputes only the ops of a group whose outputs are needed).
+  checkpoint unit for all the tensors the group's ops pass to later stages (an ``R`` costs the
+  whole group's compute). This coarsens the *nodes* the LP decides on, not only the stages:
+  the model has at most ``max_groups`` stages and units, so O(max_groups²) variables whatever
+  the graph. The rounding still works op by op (phase 2 recomputes only the ops of a group
+  whose outputs are needed).
 
 Without groups the LP is a relaxation of the MILP on the same stages, so its objective is a
 lower bound on the MILP's optimum (``stats["lp_is_bound"]``). With groups it is the relaxation
