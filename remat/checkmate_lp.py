@@ -13,14 +13,15 @@ relaxation of the same model:
   (``remat.checkmate.Stages.needed_until``: a first computation, or a recomputation whose own
   outputs are still needed), ``R[s, j]`` only while ``j``'s outputs are needed and its fixed
   inputs are alive; both only after ``j``'s own stage.
-- **One memory row per stage**, at the stage's last op (its frontier op, which runs after every
-  recomputation of the stage): the fixed tensors alive there, that op's inputs, outputs and
-  temporary bytes, and every checkpoint kept into the next stage must fit. In the MILP each of
-  these is resident at that moment (a checkpoint kept into the next stage cannot have been
-  freed), so the row is implied by the MILP's ``U`` rows and ``FREE``/``U`` can go: a
-  relaxation. It ignores the memory of recomputations in the middle of a stage; the replay
-  measures that, and the LP is re-solved at a lower budget when a rounding does not fit
-  (Checkmate does the same).
+- **Memory rows at the stage's own ops only.** Recomputations run before a stage's first
+  computations, so at each of those ops ``k`` these are resident in any MILP schedule: the
+  fixed tensors alive, ``k``'s outputs and temporary bytes, the decision tensors made before
+  ``k`` that ``k`` or a later op of the stage reads, and every checkpoint kept into the next
+  stage made before ``k`` (a checkpoint kept into the next stage cannot have been freed). Each
+  row is implied by the MILP's ``U`` rows, so ``FREE`` and ``U`` can go: a relaxation. A row is
+  kept only where it is not implied by a later op's row of the same stage. It ignores the
+  memory of the recomputations themselves; the replay measures that, and the LP is re-solved
+  at a lower budget when no rounding fits (Checkmate does the same).
 - **Groups, on graphs with more than ``max_groups`` decision ops** (fewer groups still when
   the LP would have more than ``MAX_NONZEROS`` nonzeros). Consecutive decision ops
   (in topological order) form one group: one stage, one ``R`` per (stage, group) and one
@@ -212,19 +213,40 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
         kept_into[s].append(u)
     memory_rows, memory_const = [], []
     for s, block in enumerate(blocks):
-        k = block.stop - 1        # the frontier op: every recomputation of the stage ran
-        here = set(inputs[k]) | set(graph.op_outputs(k))
-        const = (alive[k] + sum(size[x] for x in inputs[k] if decision[producer[x]])
-                 + size[list(graph.op_outputs(k))].sum() + graph.temp_bytes[k] / unit_bytes)
-        terms = []
-        for u in kept_into[s + 1]:
-            coefficient = sum(size[x] for x in unit_tensors[u]
-                              if x not in here and need_stage[x] >= s + 1)
-            if coefficient > 0:
-                terms.append((S[s + 1, u], coefficient))
-        memory_rows.append(len(bound))
-        memory_const.append(const)
-        row(terms, 0.0)
+        # Recomputations run before the stage's first computations, so at each of those, k:
+        # the fixed tensors alive, k's outputs and temporary bytes, the decision tensors made
+        # before k that k or a later op of the stage reads, and the checkpoints kept into the
+        # next stage made before k are all resident.
+        last_reader: dict[int, int] = {}
+        for k in block:
+            for x in inputs[k]:
+                if decision[producer[x]]:
+                    last_reader[x] = k
+        read = np.zeros(len(block) + 1)
+        for x, last in last_reader.items():
+            read[max(int(producer[x]) + 1, block.start) - block.start] += size[x]
+            read[last - block.start + 1] -= size[x]
+        const = np.cumsum(read)[:-1] + np.array(
+            [alive[k] + size[list(graph.op_outputs(k))].sum() + graph.temp_bytes[k] / unit_bytes
+             for k in block])
+        # The row of op k implies those of earlier ops of the stage with no larger constant
+        # (their checkpoint terms are k's or fewer): keep the ops whose constant is above
+        # every later op's.
+        highest = -np.inf
+        for p in range(len(block) - 1, -1, -1):
+            if const[p] <= highest:
+                continue
+            highest, k = const[p], block.start + p
+            terms = []
+            for u in kept_into[s + 1]:
+                coefficient = sum(size[x] for x in unit_tensors[u]
+                                  if producer[x] < k and need_stage[x] >= s + 1
+                                  and last_reader.get(x, -1) < k)
+                if coefficient > 0:
+                    terms.append((S[s + 1, u], coefficient))
+            memory_rows.append(len(bound))
+            memory_const.append(highest)
+            row(terms, 0.0)
     matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
     return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
