@@ -81,9 +81,10 @@ MIN_SCALE = 0.5
 # Decision ops (= stages) above which consecutive ones are grouped (module docstring). Chosen
 # so that the LP of the largest zoo graph (gnmt_v2, 9282 ops) solves in seconds on 2 cores.
 MAX_GROUPS = 120
-# Nonzeros of the LP's matrix above which the groups are made larger still (the square root of
-# the excess fewer): dual simplex takes ~3 s at 105k on gnmt_v2, 13 s at 255k.
-MAX_NONZEROS = 100_000
+# Nonzeros of the LP's matrix (estimated before its rows are built) above which the groups are
+# made larger still (the square root of the excess fewer): dual simplex took ~3 s at 105k
+# nonzeros on gnmt_v2, 13 s at 255k; mlp/activations, ungrouped, has 95k.
+MAX_NONZEROS = 120_000
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
 
@@ -107,9 +108,9 @@ class _Relaxation:
 
 
 def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
-                max_groups: int) -> _Relaxation:
-    """Build the sparse relaxation of Checkmate's model (module docstring)."""
-    n = graph.num_ops
+                max_groups: int, max_nonzeros: float = math.inf) -> _Relaxation:
+    """Build the sparse relaxation of Checkmate's model (module docstring); with fewer groups
+    when its matrix would have more than about ``max_nonzeros`` nonzeros."""
     producer = graph.tensor_producer
     layout = stages(graph, None, outputs, max_groups)
     inputs, decision, blocks = layout.inputs, layout.decision, layout.blocks
@@ -164,6 +165,11 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             if starts[s] <= group_until[g]:
                 R[s, g] = len(cost)
                 cost.append(group_cost)
+    # Nonzeros, about: the rows a recomputation reads through, and ~5 per checkpoint.
+    estimate = sum(4 + 2 * len(reads_group[g]) for _, g in R) + 5 * len(S)
+    if estimate > max_nonzeros and num_stages > 1:
+        fewer = max(1, int(num_stages * math.sqrt(max_nonzeros / estimate)))
+        return _relaxation(graph, budget_bytes, outputs, fewer)
 
     rows, cols, vals, bound = [], [], [], []
 
@@ -229,6 +235,11 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
         const = np.cumsum(read)[:-1] + np.array(
             [alive[k] + size[list(graph.op_outputs(k))].sum() + graph.temp_bytes[k] / unit_bytes
              for k in block])
+        kept = kept_into[s + 1]   # checkpoints into the next stage, tensor by tensor:
+        tensors = np.array([x for u in kept for x in unit_tensors[u]], dtype=np.int64)
+        owner = np.repeat(np.arange(len(kept)), [len(unit_tensors[u]) for u in kept])
+        kept_size = np.where(need_stage[tensors] >= s + 1, size[tensors], 0.0)
+        read_until = np.array([last_reader.get(int(x), -1) for x in tensors], dtype=np.int64)
         # The row of op k implies those of earlier ops of the stage with no larger constant
         # (their checkpoint terms are k's or fewer): keep the ops whose constant is above
         # every later op's.
@@ -237,13 +248,10 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             if const[p] <= highest:
                 continue
             highest, k = const[p], block.start + p
-            terms = []
-            for u in kept_into[s + 1]:
-                coefficient = sum(size[x] for x in unit_tensors[u]
-                                  if producer[x] < k and need_stage[x] >= s + 1
-                                  and last_reader.get(x, -1) < k)
-                if coefficient > 0:
-                    terms.append((S[s + 1, u], coefficient))
+            counted = (producer[tensors] < k) & (read_until < k)
+            coefficients = np.bincount(owner, weights=np.where(counted, kept_size, 0.0),
+                                       minlength=len(kept))
+            terms = [(S[s + 1, u], float(c)) for u, c in zip(kept, coefficients) if c > 0]
             memory_rows.append(len(bound))
             memory_const.append(highest)
             row(terms, 0.0)
@@ -328,10 +336,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     """
     minimum = check_budget(graph, budget_bytes, outputs)
     start = time.perf_counter()
-    relax = _relaxation(graph, budget_bytes, outputs, max_groups)
-    if relax.matrix.nnz > MAX_NONZEROS:
-        fewer = int(len(relax.layout.blocks) * math.sqrt(MAX_NONZEROS / relax.matrix.nnz))
-        relax = _relaxation(graph, budget_bytes, outputs, max(fewer, 1))
+    relax = _relaxation(graph, budget_bytes, outputs, max_groups, MAX_NONZEROS)
     build_s = time.perf_counter() - start
     persistent = float(graph.persistent_bytes.sum())
     rng = np.random.default_rng(seed)
