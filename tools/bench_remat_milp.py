@@ -197,11 +197,11 @@ def _plot(results: dict, path: str) -> None:
     graphs = results["graphs"]
     fig, axes = plt.subplots(1, len(graphs), figsize=(4 * len(graphs), 3.6), squeeze=False)
     for ax, (name, graph) in zip(axes[0], graphs.items()):
-        for planner in PLANNERS:
+        for color, planner in enumerate(PLANNERS):  # one color per planner in every panel
             points = [(e["ratio"], e["planners"][planner]["overhead"]) for e in graph["budgets"]
                       if e["planners"][planner].get("within_budget")]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=planner)
+            ax.plot(*(zip(*points) if points else ([], [])), marker="o", color=f"C{color}",
+                    label=planner)
         bounds = [(e["ratio"], e["planners"]["milp"]["bound_overhead"]) for e in graph["budgets"]
                   if e["planners"]["milp"].get("bound_overhead") is not None]
         if bounds:
