@@ -52,6 +52,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -113,14 +114,39 @@ class _Model:
         self.row_upper.append(upper)
 
 
-def _build(graph: CostGraph, budget_bytes: int, candidates: np.ndarray | None,
-           outputs: Sequence[int], max_stages: int | None
-           ) -> tuple[_Model, dict, list[range], bool]:
-    """The Checkmate MILP of ``graph`` at ``budget_bytes`` (module docstring).
+@dataclasses.dataclass
+class Stages:
+    """What Checkmate's model (and its LP relaxation) is built on: the stages and, per tensor,
+    how long a plan may need it.
 
-    Returns the model, the ``R`` variables by (stage, op), the ops each stage computes, and
-    whether the stages were coarsened to ``max_stages``.
+    Attributes:
+        inputs: per op, the distinct tensors it reads (the last op also "reads" the outputs).
+        readers: per tensor, the ops reading it (the last op for outputs).
+        decision: per op, whether the model may drop and rebuild its outputs.
+        last_read: per tensor, its last reader's position (its producer's if none).
+        recompute_until: per op, the last position before which it may be recomputed (its
+            fixed inputs, e.g. a variable read, die at their last reader).
+        needed_until: per tensor, the last position at which some reader of it may run (a
+            first computation, or a recomputation while that reader's own outputs may be
+            needed): a checkpoint kept later is wasted.
+        blocks: the ops each stage computes for the first time.
+        coarsened: ``max_stages`` merged several decision ops into one stage.
     """
+
+    inputs: list[list[int]]
+    readers: list[list[int]]
+    decision: np.ndarray
+    last_read: np.ndarray
+    recompute_until: np.ndarray
+    needed_until: np.ndarray
+    blocks: list[range]
+    coarsened: bool
+
+
+def stages(graph: CostGraph, candidates: np.ndarray | None, outputs: Sequence[int],
+           max_stages: int | None) -> Stages:
+    """The stages of Checkmate's model (module docstring): one per decision op, or
+    ⌈decision ops / max_stages⌉ decision ops per stage."""
     n = graph.num_ops
     producer = graph.tensor_producer
     inputs = [list(dict.fromkeys(graph.op_inputs(k).tolist())) for k in range(n)]
@@ -139,10 +165,17 @@ def _build(graph: CostGraph, budget_bytes: int, candidates: np.ndarray | None,
     # An op can be recomputed before position p only while its fixed inputs are still alive.
     recompute_until = np.array([min((last_read[x] for x in inputs[k] if not decision[producer[x]]),
                                     default=n) for k in range(n)], dtype=np.int64)
-    # A decision op's output is worth keeping while some reader may still run.
-    needed_until = np.array([max((max(k, recompute_until[k]) if decision[k] else k
-                                  for k in readers[x]), default=-1)
-                             for x in range(graph.num_tensors)], dtype=np.int64)
+    # A tensor is needed while a reader may run: its first computation, or a recomputation
+    # while that reader may be recomputed and its own outputs are still needed (ids are
+    # topological: readers come later, so one backward sweep).
+    needed_until = np.full(graph.num_tensors, -1, dtype=np.int64)
+    for x in range(graph.num_tensors - 1, -1, -1):
+        for k in readers[x]:
+            until = k
+            if decision[k]:
+                later = max(needed_until[list(graph.op_outputs(k))].max(initial=-1), k)
+                until = max(k, min(int(recompute_until[k]), int(later)))
+            needed_until[x] = max(needed_until[x], until)
     ends = np.flatnonzero(stage_end).tolist()
     coarsened = max_stages is not None and len(ends) > max_stages
     if coarsened:
@@ -150,18 +183,43 @@ def _build(graph: CostGraph, budget_bytes: int, candidates: np.ndarray | None,
     if not ends or ends[-1] < n - 1:
         ends.append(n - 1)
     blocks = [range(0 if s == 0 else ends[s - 1] + 1, end + 1) for s, end in enumerate(ends)]
+    return Stages(inputs, readers, decision, last_read, recompute_until, needed_until, blocks,
+                  coarsened)
+
+
+def fixed_alive(graph: CostGraph, model: Stages, size: np.ndarray) -> np.ndarray:
+    """Per position p, the ``size`` of the fixed (non-decision) tensors alive entering p: from
+    their producer's computation to their last reader's."""
+    alive = np.zeros(graph.num_ops + 1)
+    producer = graph.tensor_producer
+    for x in np.flatnonzero(~model.decision[producer]).tolist():
+        if model.last_read[x] > producer[x]:
+            alive[producer[x] + 1] += size[x]
+            alive[model.last_read[x] + 1] -= size[x]
+    return np.cumsum(alive)
+
+
+def _build(graph: CostGraph, budget_bytes: int, candidates: np.ndarray | None,
+           outputs: Sequence[int], max_stages: int | None
+           ) -> tuple[_Model, dict, list[range], bool]:
+    """The Checkmate MILP of ``graph`` at ``budget_bytes`` (module docstring).
+
+    Returns the model, the ``R`` variables by (stage, op), the ops each stage computes, and
+    whether the stages were coarsened to ``max_stages``.
+    """
+    n = graph.num_ops
+    producer = graph.tensor_producer
+    layout = stages(graph, candidates, outputs, max_stages)
+    inputs, readers, decision = layout.inputs, layout.readers, layout.decision
+    last_read, recompute_until = layout.last_read, layout.recompute_until
+    needed_until, blocks, coarsened = layout.needed_until, layout.blocks, layout.coarsened
 
     unit_bytes = budget_bytes / _MEMORY_UNITS_PER_BUDGET
     size = graph.tensor_bytes / unit_bytes
     op_size = np.array([size[list(graph.op_outputs(i))].sum() for i in range(n)])
     baseline_us = float(graph.compute_us.sum()) or 1.0
     capacity = (budget_bytes - float(graph.persistent_bytes.sum())) / unit_bytes
-    fixed_alive = np.zeros(n + 1)  # bytes of fixed tensors alive entering position p
-    for x in np.flatnonzero(~decision[producer]).tolist():
-        if last_read[x] > producer[x]:
-            fixed_alive[producer[x] + 1] += size[x]
-            fixed_alive[last_read[x] + 1] -= size[x]
-    fixed_alive = np.cumsum(fixed_alive)
+    fixed_alive_at = fixed_alive(graph, layout, size)
 
     model = _Model()
     one = model.var(("one",), lower=1.0, upper=1.0, integral=False)
@@ -218,7 +276,7 @@ def _build(graph: CostGraph, budget_bytes: int, candidates: np.ndarray | None,
                 model.row([(v, 1.0)] + [(u, -1.0) for u in uses], -np.inf, 0.0)
 
         # Memory along the stage: U after each op runs, then the frees it allows.
-        previous = [(one, -fixed_alive[block.start])]
+        previous = [(one, -fixed_alive_at[block.start])]
         previous += [(S[s, x], -size[x]) for x in kept_before[s]]
         for p, (k, runs) in enumerate(run):
             u = model.var(("U", s, k), integral=False, upper=np.inf)

@@ -1,29 +1,58 @@
-"""Near-optimal rematerialization where the MILP cannot solve: Checkmate's LP relaxation with
-two-phase rounding, on HiGHS.
+"""Near-optimal rematerialization at full size: Checkmate's LP relaxation with two-phase
+rounding, on HiGHS.
 
-Checkmate (Jain et al., MLSys 2020, §5) relaxes its MILP (``remat.checkmate``: a stage per
-decision op, binary checkpoint ``S`` and recompute ``R`` variables) to a linear program, which
-HiGHS solves in polynomial time, and turns the fractional solution into a schedule in two
-phases:
+Checkmate (Jain et al., MLSys 2020, §5) relaxes its MILP (``remat.checkmate``) to a linear
+program and turns the fractional solution into a schedule in two phases: round the checkpoint
+variables ``S`` (here a sweep of thresholds, ``S >= threshold``, and a few randomized roundings,
+``S`` with probability its LP value), then recompute exactly what that choice forces. The
+MILP's LP relaxation has O(n²) ``R``/``S`` variables and O(n²) memory variables and O(n³)
+``FREE`` variables; at 195 ops HiGHS did not solve it in 60 s. This module solves a smaller
+relaxation of the same model:
 
-1. round the checkpoint matrix: ``S[s, x] = 1`` when the LP's value is at least a threshold;
-2. given those checkpoints, recompute exactly what each stage needs: an op of the stage reads
-   a decision tensor that is not checkpointed into the stage, so its producer is recomputed
-   first (and, recursively, what that recomputation reads and is not checkpointed either).
+- **Sparse variables.** ``S[s, x]`` exists only while some reader of ``x`` may still run
+  (``remat.checkmate.Stages.needed_until``: a first computation, or a recomputation whose own
+  outputs are still needed), ``R[s, j]`` only while ``j``'s outputs are needed and its fixed
+  inputs are alive; both only after ``j``'s own stage.
+- **Memory rows at the stage's own ops only.** Recomputations run before a stage's first
+  computations, so at each of those ops ``k`` these are resident in any MILP schedule: the
+  fixed tensors alive, ``k``'s outputs and temporary bytes, the decision tensors made before
+  ``k`` that ``k`` or a later op of the stage reads, and every checkpoint kept into the next
+  stage made before ``k`` (a checkpoint kept into the next stage cannot have been freed). Each
+  row is implied by the MILP's ``U`` rows, so ``FREE`` and ``U`` can go: a relaxation. A row is
+  kept only where it is not implied by a later op's row of the same stage. It ignores the
+  memory of the recomputations themselves; the replay measures that, and the LP is re-solved
+  at a lower budget when no rounding fits (Checkmate does the same).
+- **Groups, on graphs with more than ``max_groups`` decision ops** (fewer groups still when
+  the LP would have more than ``MAX_NONZEROS`` nonzeros). Consecutive decision ops
+  (in topological order) form one group: one stage, one ``R`` per (stage, group) and one
+  checkpoint unit for all the tensors the group's ops pass to later stages (an ``R`` costs the
+  whole group's compute). This coarsens the *nodes* the LP decides on, not only the stages:
+  the model has at most ``max_groups`` stages and units, so O(max_groups²) variables whatever
+  the graph. The rounding still works op by op (phase 2 recomputes only the ops of a group
+  whose outputs are needed).
 
-The schedule (recomputations of a stage before its own ops) becomes a plan through
-``remat.schedule`` (each tensor freed after its last read) and is replayed by
-``remat.validate``. Rounding can break the budget, so the plan is kept only if its replayed
-peak fits; as in the paper, the LP is also solved at budgets scaled down (the rounding then
-has slack) and the cheapest plan that fits is returned.
+Without groups the LP is a relaxation of the MILP on the same stages, so its objective is a
+lower bound on the MILP's optimum (``stats["lp_is_bound"]``). With groups it is the relaxation
+of a restricted (coarsened) model and bounds nothing: it is reported, but not as a bound.
 
-Unlike the MILP, which proves optimality only on a few dozen decision ops, this runs on the
-full graph (no coarsened stages); the LP's objective is a lower bound on the optimum of the
-same model (``stats["lp_bound_overhead"]``).
+Phase 2 is per stage: a first computation of the stage reads a decision tensor of an earlier
+stage that is not rounded into a checkpoint, so its producer is recomputed before the stage's
+ops, after whatever that recomputation reads and is not checkpointed either (recursively). A
+producer whose fixed inputs have died cannot be recomputed and keeps its output. The schedule
+becomes a plan through ``remat.schedule`` (each tensor freed after its last read) and is
+replayed by ``remat.validate``; only plans whose replayed peak fits the budget are returned.
+
+References:
+    Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica, Gonzalez, "Checkmate: Breaking the
+    Memory Wall with Optimal Tensor Rematerialization", MLSys 2020, Section 5 (LP relaxation,
+    deterministic and randomized rounding of the checkpoints, then the recomputations they
+    need; solving at a reduced budget so that the rounded schedule fits).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -32,130 +61,336 @@ import scipy.sparse
 from scipy.optimize import linprog
 
 from graphfit.profiler.cost_graph import CostGraph
-from graphfit.remat.checkmate import NoScheduleFoundError, _build, check_budget
+from graphfit.remat.checkmate import (NoScheduleFoundError, Stages, check_budget, fixed_alive,
+                                      stages)
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.schedule import plan_from_schedule
 from graphfit.remat.validate import InfeasibleBudgetError
 
-__all__ = ["checkmate_lp"]
+__all__ = ["MAX_GROUPS", "checkmate_lp"]
 
 # Phase-1 thresholds tried on each LP solution (a higher one checkpoints less: more
-# recomputation, less memory).
-THRESHOLDS = (0.5, 0.75, 0.9, 0.99)
-# Fractions of the budget the LP is solved at, in order, until a rounded plan fits.
-BUDGET_SCALES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+# recomputation, less memory), and randomized roundings per solution.
+THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+RANDOM_ROUNDINGS = 2
+# The LP is solved at the budget, then, while no rounding fits, at a budget scaled by
+# budget / the lowest replayed peak of the roundings (at least SCALE_STEP lower, at most
+# MIN_SCALE of the budget).
+SCALE_STEP = 0.97
+MIN_SCALE = 0.5
+# Decision ops (= stages) above which consecutive ones are grouped (module docstring). Chosen
+# so that the LP of the largest zoo graph (gnmt_v2, 9282 ops) solves in seconds on 2 cores.
+MAX_GROUPS = 120
+# Nonzeros of the LP's matrix (estimated before its rows are built) above which the groups are
+# made larger still (the square root of the excess fewer): dual simplex took ~3 s at 105k
+# nonzeros on gnmt_v2, 13 s at 255k; mlp/activations, ungrouped, has 95k.
+MAX_NONZEROS = 120_000
+# Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
+_UNITS_PER_BUDGET = 1024.0
 
 
-def _solve_lp(graph: CostGraph, budget_bytes: float, outputs: Sequence[int],
-              time_limit_s: float):
-    """The relaxed Checkmate model at ``budget_bytes``: (solution, LP objective, R variables,
-    S variables by (stage, tensor), stage blocks); solution None when infeasible.
+@dataclasses.dataclass
+class _Relaxation:
+    """The LP (``A x <= b``, ``b = capacity(budget) - const``) and how to read its solution."""
+
+    layout: Stages
+    stage_of: np.ndarray          # per op: the stage that computes it first
+    unit_of: np.ndarray           # per tensor: its checkpoint unit, -1 if none
+    S: dict                       # (stage, unit) -> column
+    R: dict                       # (stage, group) -> column
+    cost: np.ndarray
+    matrix: scipy.sparse.csr_array
+    b_fixed: np.ndarray           # rows' bounds that do not depend on the budget
+    memory_rows: np.ndarray       # row ids of the memory rows
+    memory_const: np.ndarray      # their constant bytes (in units)
+    unit_bytes: float
+    grouped: bool
+
+
+def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
+                max_groups: int, max_nonzeros: float = math.inf) -> _Relaxation:
+    """Build the sparse relaxation of Checkmate's model (module docstring); with fewer groups
+    when its matrix would have more than about ``max_nonzeros`` nonzeros."""
+    producer = graph.tensor_producer
+    layout = stages(graph, None, outputs, max_groups)
+    inputs, decision, blocks = layout.inputs, layout.decision, layout.blocks
+    num_stages = len(blocks)
+    stage_of = np.repeat(np.arange(num_stages), [len(b) for b in blocks])
+    starts = np.array([b.start for b in blocks])
+    need_stage = stage_of[np.maximum(layout.needed_until, 0)]
+    grouped = layout.coarsened
+
+    # Checkpoint units: the tensors a group passes to later stages (one unit per tensor for a
+    # group of one op, as in the MILP; one for all of them otherwise).
+    unit_of = np.full(graph.num_tensors, -1, dtype=np.int64)
+    unit_group, unit_need, unit_tensors = [], [], []
+    members = [[j for j in block if decision[j]] for block in blocks]
+    for g, ops in enumerate(members):
+        crossing = [x for j in ops for x in graph.op_outputs(j) if need_stage[x] > g]
+        for part in ([[x] for x in crossing] if len(ops) == 1 else [crossing] if crossing else []):
+            for x in part:
+                unit_of[x] = len(unit_group)
+            unit_group.append(g)
+            unit_need.append(max(int(need_stage[x]) for x in part))
+            unit_tensors.append(part)
+    group_until = [min((int(layout.recompute_until[j]) for j in ops), default=-1)
+                   for ops in members]
+    units_of_group: list[list[int]] = [[] for _ in blocks]
+    for u, g in enumerate(unit_group):
+        units_of_group[g].append(u)
+
+    def units_read(ops) -> list[int]:
+        return list(dict.fromkeys(int(unit_of[x]) for k in ops for x in inputs[k]
+                                  if decision[producer[x]] and stage_of[producer[x]] != stage_of[k]
+                                  and unit_of[x] >= 0))
+
+    reads_group = [units_read(ops) for ops in members]
+    reads_block = [set(units_read(block)) for block in blocks]
+    readers_of_unit: list[list[int]] = [[] for _ in unit_group]
+    for g, units in enumerate(reads_group):
+        for u in units:
+            readers_of_unit[u].append(g)
+
+    baseline_us = float(graph.compute_us.sum()) or 1.0
+    cost: list[float] = []
+    S, R = {}, {}
+    for u, g in enumerate(unit_group):
+        for s in range(g + 1, unit_need[u] + 1):
+            S[s, u] = len(cost)
+            cost.append(0.0)
+    for g, ops in enumerate(members):
+        last = max((unit_need[u] for u in units_of_group[g]), default=-1)
+        group_cost = float(graph.compute_us[ops].sum()) / baseline_us
+        for s in range(g + 1, last + 1):
+            if starts[s] <= group_until[g]:
+                R[s, g] = len(cost)
+                cost.append(group_cost)
+    # Nonzeros, about: the rows a recomputation reads through, and ~5 per checkpoint.
+    estimate = sum(4 + 2 * len(reads_group[g]) for _, g in R) + 5 * len(S)
+    if estimate > max_nonzeros and num_stages > 1:
+        fewer = max(1, int(num_stages * math.sqrt(max_nonzeros / estimate)))
+        return _relaxation(graph, budget_bytes, outputs, fewer)
+
+    rows, cols, vals, bound = [], [], [], []
+
+    def row(terms, upper: float) -> None:
+        for col, val in terms:
+            rows.append(len(bound))
+            cols.append(col)
+            vals.append(val)
+        bound.append(upper)
+
+    def available(s: int, u: int) -> list[tuple[int, float]]:
+        """-(R + S): the unit is recomputed in stage s or checkpointed into it."""
+        return [(v, -1.0) for v in (R.get((s, unit_group[u])), S.get((s, u))) if v is not None]
+
+    def readers_in(s: int, u: int) -> list[tuple[int, float]]:
+        return [(R[s, h], -1.0) for h in readers_of_unit[u] if (s, h) in R]
+
+    for s in range(num_stages):
+        for u in reads_block[s]:   # first computations read it
+            row(available(s, u), -1.0)
+    for (s, g), v in R.items():
+        for u in reads_group[g]:   # a recomputation reads it
+            row([(v, 1.0)] + available(s, u), 0.0)
+        # Valid inequalities (as in the MILP): a recomputation is read in its stage or kept.
+        if not any(u in reads_block[s] for u in units_of_group[g]):
+            uses = [t for u in units_of_group[g] for t in readers_in(s, u)
+                    + ([(S[s + 1, u], -1.0)] if (s + 1, u) in S else [])]
+            row([(v, 1.0)] + uses, 0.0)
+        ops = members[g]
+        if len(ops) == 1 and len(graph.op_outputs(ops[0])) == 1 and (s, unit_of[
+                graph.output_offset[ops[0]]]) in S:  # not recomputed while resident
+            row([(v, 1.0), (S[s, int(unit_of[graph.output_offset[ops[0]]])], 1.0)], 1.0)
+    for (s, u), v in S.items():
+        g = unit_group[u]
+        if s > g + 1:               # checkpoints persist only if resident or recomputed
+            row([(v, 1.0), (S[s - 1, u], -1.0)]
+                + ([(R[s - 1, g], -1.0)] if (s - 1, g) in R else []), 0.0)
+        if u not in reads_block[s]:  # a checkpoint is read in its stage or kept
+            row([(v, 1.0)] + readers_in(s, u)
+                + ([(S[s + 1, u], -1.0)] if (s + 1, u) in S else []), 0.0)
+
+    unit_bytes = budget_bytes / _UNITS_PER_BUDGET
+    size = graph.tensor_bytes / unit_bytes
+    alive = fixed_alive(graph, layout, size)
+    kept_into: list[list[int]] = [[] for _ in range(num_stages + 1)]
+    for s, u in S:
+        kept_into[s].append(u)
+    memory_rows, memory_const = [], []
+    for s, block in enumerate(blocks):
+        # Recomputations run before the stage's first computations, so at each of those, k:
+        # the fixed tensors alive, k's outputs and temporary bytes, the decision tensors made
+        # before k that k or a later op of the stage reads, and the checkpoints kept into the
+        # next stage made before k are all resident.
+        last_reader: dict[int, int] = {}
+        for k in block:
+            for x in inputs[k]:
+                if decision[producer[x]]:
+                    last_reader[x] = k
+        read = np.zeros(len(block) + 1)
+        for x, last in last_reader.items():
+            read[max(int(producer[x]) + 1, block.start) - block.start] += size[x]
+            read[last - block.start + 1] -= size[x]
+        const = np.cumsum(read)[:-1] + np.array(
+            [alive[k] + size[list(graph.op_outputs(k))].sum() + graph.temp_bytes[k] / unit_bytes
+             for k in block])
+        kept = kept_into[s + 1]   # checkpoints into the next stage, tensor by tensor:
+        tensors = np.array([x for u in kept for x in unit_tensors[u]], dtype=np.int64)
+        owner = np.repeat(np.arange(len(kept)), [len(unit_tensors[u]) for u in kept])
+        kept_size = np.where(need_stage[tensors] >= s + 1, size[tensors], 0.0)
+        read_until = np.array([last_reader.get(int(x), -1) for x in tensors], dtype=np.int64)
+        # The row of op k implies those of earlier ops of the stage with no larger constant
+        # (their checkpoint terms are k's or fewer): keep the ops whose constant is above
+        # every later op's.
+        highest = -np.inf
+        for p in range(len(block) - 1, -1, -1):
+            if const[p] <= highest:
+                continue
+            highest, k = const[p], block.start + p
+            counted = (producer[tensors] < k) & (read_until < k)
+            coefficients = np.bincount(owner, weights=np.where(counted, kept_size, 0.0),
+                                       minlength=len(kept))
+            terms = [(S[s + 1, u], float(c)) for u, c in zip(kept, coefficients) if c > 0]
+            memory_rows.append(len(bound))
+            memory_const.append(highest)
+            row(terms, 0.0)
+    matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
+    return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
+                       np.array(bound, dtype=float), np.array(memory_rows),
+                       np.array(memory_const), unit_bytes, grouped)
+
+
+def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
+    """The LP at ``capacity_bytes`` of non-persistent memory: (solution, objective), or
+    (None, None) when infeasible.
 
     Raises:
         NoScheduleFoundError: HiGHS stopped before solving it (time limit)."""
-    model, R, blocks, _ = _build(graph, int(budget_bytes), None, outputs, None)
-    matrix = scipy.sparse.csr_array(
-        (model.vals, (model.rows, model.cols)), shape=(len(model.row_lower), len(model.cost)))
-    lower, upper = np.array(model.row_lower), np.array(model.row_upper)
-    eq = lower == upper
-    below, above = ~eq & np.isfinite(upper), ~eq & np.isfinite(lower)
-    a_ub = scipy.sparse.vstack([matrix[below], -matrix[above]]).tocsr()
-    b_ub = np.concatenate([upper[below], -lower[above]])
-    # Interior point: on these wide, sparse LPs several times faster than the simplex.
-    result = linprog(np.array(model.cost), A_ub=a_ub, b_ub=b_ub, A_eq=matrix[eq],
-                     b_eq=lower[eq], bounds=np.column_stack([model.lower, model.upper]),
-                     method="highs-ipm", options={"time_limit": max(float(time_limit_s), 1.0)})
-    S = {(key[1], key[2]): v for key, v in model.index.items() if key[0] == "S"}
+    b = relax.b_fixed.copy()
+    b[relax.memory_rows] = capacity_bytes / relax.unit_bytes - relax.memory_const
+    if (b[relax.memory_rows] < -1e-9).any():
+        return None, None   # some stage's own working set does not fit
+    # Dual simplex: on these LPs 6-13x faster than HiGHS's interior point (with or without
+    # crossover), e.g. 0.75 s vs 9.5 s on mlp/activations (12k variables, 31k rows).
+    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0),
+                     method="highs-ds", options={"time_limit": max(float(time_limit_s), 1.0)})
     if result.status == 2:
-        return None, None, R, S, blocks
-    if result.status != 0:
+        return None, None
+    if result.x is None or result.status not in (0, 4):
         raise NoScheduleFoundError(f"HiGHS did not solve Checkmate's LP relaxation within "
                                    f"{time_limit_s:.0f} s ({result.message})")
-    return result.x, float(result.fun), R, S, blocks
+    return np.clip(result.x, 0.0, 1.0), float(relax.cost @ result.x)
 
 
-def _round(graph: CostGraph, x: np.ndarray, R: dict, S: dict, blocks: list[range],
-           threshold: float) -> list[int]:
-    """Two-phase rounding: the schedule with the checkpoints ``S >= threshold`` and the
-    recomputations each stage then needs."""
-    producer = graph.tensor_producer
-    inputs = [list(dict.fromkeys(graph.op_inputs(k).tolist())) for k in range(graph.num_ops)]
-    stage_of = np.empty(graph.num_ops, dtype=np.int64)
-    for s, block in enumerate(blocks):
-        stage_of[block.start:block.stop] = s
-    schedule = []
-    for s, block in enumerate(blocks):
+def _round(graph: CostGraph, relax: _Relaxation, kept: np.ndarray) -> list[int]:
+    """Phase 2 (module docstring): the schedule with checkpoint columns ``kept`` (a boolean
+    per LP column) and the recomputations each stage then needs."""
+    layout, producer = relax.layout, graph.tensor_producer
+    schedule: list[int] = []
+    for s, block in enumerate(layout.blocks):
         redo: set[int] = set()
-
-        def need(t: int) -> None:
-            """Make ``t`` available in stage s: checkpointed, made in the stage, or recomputed."""
-            j = int(producer[t])
-            if stage_of[j] == s or j in redo or (s, j) not in R:
-                return  # made in this stage, already recomputed, or kept (no choice)
-            if (s, t) in S and x[S[s, t]] >= threshold:
-                return
+        stack = [x for k in block for x in layout.inputs[k]]
+        while stack:
+            x = stack.pop()
+            j = int(producer[x])
+            if (not layout.decision[j] or relax.stage_of[j] == s or j in redo
+                    or layout.recompute_until[j] < block.start):
+                continue  # fixed, made in this stage, already recomputed, or cannot be
+            column = relax.S.get((s, int(relax.unit_of[x])))
+            if column is not None and kept[column]:
+                continue
             redo.add(j)
-            for u in inputs[j]:
-                need(u)
-
-        for k in block:
-            for t in inputs[k]:
-                need(t)
+            stack.extend(layout.inputs[j])
         schedule += sorted(redo) + list(block)
     return schedule
 
 
 def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] = (),
-                 time_limit_s: float = 60.0) -> RematPlan:
+                 time_limit_s: float = 60.0, max_groups: int = MAX_GROUPS,
+                 seed: int = 0) -> RematPlan:
     """A plan within ``budget_bytes`` from Checkmate's LP relaxation and two-phase rounding.
 
     Args:
-        graph: the cost graph (the whole of it: a stage per decision op).
+        graph: the cost graph (the whole of it).
         budget_bytes: the memory budget, persistent bytes included.
         outputs: tensor ids kept resident until the step ends (fetches).
         time_limit_s: for all LP solves together; when it runs out, the best plan so far.
+        max_groups: at most this many stages (and checkpoint units); more decision ops are
+            grouped (module docstring).
+        seed: of the randomized roundings.
 
     Returns:
         The cheapest rounded plan whose replayed peak fits the budget. ``stats``:
-        ``lp_bound_overhead`` (the relaxation at the full budget: a lower bound on the
-        optimum of Checkmate's model), ``budget_scale`` and ``threshold`` of the chosen
-        rounding, ``lp_solves``, ``solve_s``, ``num_stages``, ``minimum_bytes``.
+        ``lp_overhead`` (1 + the LP's objective at the full budget), ``lp_is_bound`` (the LP
+        relaxes the MILP on the same stages, so ``lp_overhead`` is a lower bound on its
+        optimum; False when grouped), ``rounding`` ("threshold" or "random"), ``threshold``,
+        ``budget_scale`` of the chosen plan, ``lp_solves``, ``lp_s`` (HiGHS time),
+        ``build_s``, ``solve_s`` (all of it), ``num_stages``, ``num_units``, ``num_variables``,
+        ``num_constraints``, ``grouped``, ``minimum_bytes``.
 
     Raises:
         InfeasibleBudgetError: below ``remat.validate.minimum_budget_bytes``, or the LP at the
-            full budget is infeasible (then so is the MILP).
+            full budget is infeasible (then so is the MILP on these stages).
         NoScheduleFoundError: no rounding fits the budget (within the time limit).
     """
     minimum = check_budget(graph, budget_bytes, outputs)
     start = time.perf_counter()
-    best, bound, solves, num_stages = None, None, 0, 0
-    for scale in BUDGET_SCALES:
+    relax = _relaxation(graph, budget_bytes, outputs, max_groups, MAX_NONZEROS)
+    build_s = time.perf_counter() - start
+    persistent = float(graph.persistent_bytes.sum())
+    rng = np.random.default_rng(seed)
+    s_columns = np.array(sorted(relax.S.values()), dtype=np.int64)
+    best, lp_overhead, solves, lp_s, tried, scale = None, None, 0, 0.0, {}, 1.0
+    feasible = tried_scale = 1.0  # the lowest scale whose LP is feasible, the last tried
+    while best is None and scale >= MIN_SCALE:
         left = time_limit_s - (time.perf_counter() - start)
-        if left <= 0 or (scale < 1.0 and best is not None):
+        if left <= 0:
             break
-        x, objective, R, S, blocks = _solve_lp(graph, scale * budget_bytes, outputs, left)
+        begin, tried_scale = time.perf_counter(), scale
+        x, objective = _solve(relax, scale * budget_bytes - persistent, left)
+        lp_s += time.perf_counter() - begin
         solves += 1
-        num_stages = len(blocks)
         if x is None:
             if scale == 1.0:
                 raise InfeasibleBudgetError(
                     f"Checkmate's LP relaxation has no solution within {budget_bytes} bytes, so "
-                    "no schedule fits; raise the budget", budget_bytes, minimum)
-            break
+                    "no schedule of its stages fits; raise the budget", budget_bytes, minimum)
+            if feasible - scale < 0.02:
+                break
+            scale = (feasible + scale) / 2  # overshot: halfway back
+            continue
+        feasible = scale
         if scale == 1.0:
-            bound = 1.0 + objective
-        for threshold in THRESHOLDS:
-            plan = plan_from_schedule(graph, _round(graph, x, R, S, blocks, threshold),
-                                      budget_bytes, "checkmate_lp", {}, outputs)
+            lp_overhead = 1.0 + objective
+        roundings = [("threshold", t, x >= t) for t in THRESHOLDS]
+        roundings += [("random", None, rng.random(len(x)) < x) for _ in range(RANDOM_ROUNDINGS)]
+        lowest = np.inf
+        for kind, threshold, kept in roundings:
+            key = kept[s_columns].tobytes()
+            if key in tried:   # the same checkpoints as an earlier rounding
+                lowest = min(lowest, tried[key])
+                continue
+            plan = plan_from_schedule(graph, _round(graph, relax, kept), budget_bytes,
+                                      "checkmate_lp", {}, outputs)
+            tried[key] = plan.peak_bytes
+            lowest = min(lowest, plan.peak_bytes)
             if plan.peak_bytes <= budget_bytes and (best is None
                                                     or plan.compute_us < best.compute_us):
                 best = plan
-                best.stats.update(budget_scale=scale, threshold=threshold)
+                best.stats.update(rounding=kind, threshold=threshold, budget_scale=scale)
+        # Persistent bytes are no rounding's to save: scale what the LP decides on.
+        scale = min(scale * SCALE_STEP, scale * (budget_bytes - persistent)
+                    / max(lowest - persistent, 1.0))
     if best is None:
         raise NoScheduleFoundError(
-            f"no rounding of Checkmate's LP fits {budget_bytes} bytes (budget scales "
-            f"{BUDGET_SCALES[:solves]} tried in {time.perf_counter() - start:.1f} s); raise the "
-            "budget or use the DTR simulator")
-    best.stats.update(lp_bound_overhead=bound, lp_solves=solves, num_stages=num_stages,
-                      solve_s=time.perf_counter() - start, minimum_bytes=minimum)
+            f"no rounding of Checkmate's LP fits {budget_bytes} bytes ({solves} LP solves, "
+            f"down to {tried_scale:.2f} of the budget, in "
+            f"{time.perf_counter() - start:.1f} s); raise the budget or use the DTR simulator")
+    best.stats.update(
+        lp_overhead=lp_overhead, lp_is_bound=not relax.grouped, grouped=relax.grouped,
+        lp_solves=solves, lp_s=lp_s, build_s=build_s, solve_s=time.perf_counter() - start,
+        num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
+        num_variables=len(relax.cost), num_constraints=relax.matrix.shape[0],
+        minimum_bytes=minimum)
     return best

@@ -1,25 +1,72 @@
 """Checkmate's LP relaxation with two-phase rounding (remat.checkmate_lp)."""
 
+import numpy as np
 import pytest
 
 from graphfit.profiler.synthetic import training_like
-from graphfit.remat import baselines
-from graphfit.remat.checkmate import NoScheduleFoundError
+from graphfit.remat import baselines, checkmate_lp as lp_module
+from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp
 from graphfit.remat.checkmate_lp import checkmate_lp
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
 from graphfit.tools.bench_remat_milp import activation_heavy
 
 
-@pytest.mark.slow
-def test_rounded_plan_fits_the_budget_and_costs_at_least_the_lp_bound():
-    g = activation_heavy(training_like(80, seed=0))
-    budget = int(0.95 * baselines.checkpoint_all(g).peak_bytes)
-    plan = checkmate_lp(g, budget)
-    replay = replay_plan(g, plan)
+def _between(graph, fraction: float) -> int:
+    """A budget ``fraction`` of the way from the minimum to the checkpoint-all peak."""
+    minimum = minimum_budget_bytes(graph)
+    return int(minimum + fraction * (baselines.checkpoint_all(graph).peak_bytes - minimum))
+
+
+@pytest.mark.parametrize("graph, budget", [
+    (activation_heavy(training_like(30, seed=30), 256), None),
+    (activation_heavy(training_like(40, seed=1), 256), None),
+    (training_like(40, seed=5), 0.2),
+])
+def test_lp_bound_below_the_milp_optimum_below_the_rounded_plan(graph, budget):
+    """Without groups the LP relaxes the MILP on the same stages: bound <= optimum <= rounding."""
+    budget = (int(0.95 * baselines.checkpoint_all(graph).peak_bytes) if budget is None
+              else _between(graph, budget))
+    milp = checkmate_milp(graph, budget, time_limit_s=20)
+    assert milp.stats["status"] == "optimal"
+    plan = checkmate_lp(graph, budget)
+    assert plan.stats["lp_is_bound"] and not plan.stats["grouped"]
+    assert plan.stats["lp_overhead"] <= milp.overhead + 1e-6
+    assert milp.overhead <= plan.overhead + 1e-9
+    replay = replay_plan(graph, plan)
     assert replay.peak_bytes == plan.peak_bytes <= budget
-    assert plan.num_recomputes > 0
-    assert plan.overhead >= plan.stats["lp_bound_overhead"] - 1e-9
     assert plan.method == "checkmate_lp"
+
+
+def test_grouped_relaxation_is_small_and_its_plan_is_valid():
+    """Above max_groups decision ops, stages and checkpoint units are capped; the rounding
+    still recomputes op by op and the plan replays within the budget."""
+    g = activation_heavy(training_like(120, seed=3), 64)
+    budget = int(0.95 * baselines.checkpoint_all(g).peak_bytes)
+    full = checkmate_lp(g, budget)
+    grouped = checkmate_lp(g, budget, max_groups=30)
+    assert not full.stats["grouped"] and grouped.stats["grouped"]
+    assert not grouped.stats["lp_is_bound"]
+    assert grouped.stats["num_stages"] <= 31 < full.stats["num_stages"]
+    assert grouped.stats["num_variables"] < full.stats["num_variables"] / 4
+    for plan in (full, grouped):
+        assert replay_plan(g, plan).peak_bytes == plan.peak_bytes <= budget
+    # The ungrouped LP is a bound on any plan of the full model, the grouped plan included.
+    assert full.stats["lp_overhead"] <= grouped.overhead + 1e-9
+
+
+def test_variables_exist_only_where_they_can_be_nonzero():
+    """S only while a reader may still run, R only after the op's own stage: far fewer than
+    Checkmate's dense stages x ops."""
+    g = activation_heavy(training_like(120, seed=3), 64)
+    relax = lp_module._relaxation(g, baselines.checkpoint_all(g).peak_bytes, (), 10**6)
+    stages = len(relax.layout.blocks)
+    assert all(g_ < s for (s, g_) in relax.R)
+    units = int(relax.unit_of.max()) + 1
+    assert len(relax.S) < stages * units / 2 and len(relax.R) < stages * stages / 2
+    need = relax.layout.needed_until
+    for (s, u) in relax.S:
+        tensors = np.flatnonzero(relax.unit_of == u)
+        assert max(need[tensors]) >= relax.layout.blocks[s].start
 
 
 def test_budget_below_the_minimum_is_named():
@@ -29,13 +76,13 @@ def test_budget_below_the_minimum_is_named():
         checkmate_lp(g, low)
 
 
-@pytest.mark.slow
-def test_no_rounding_that_fits_is_an_error_not_a_plan_over_budget():
+def test_a_tight_budget_gives_an_error_or_a_plan_within_it_never_one_over():
     g = activation_heavy(training_like(80, seed=0))
-    budget = int(0.9 * baselines.checkpoint_all(g).peak_bytes)
-    try:
-        plan = checkmate_lp(g, budget, time_limit_s=30)
-    except NoScheduleFoundError as e:
-        assert "no rounding" in str(e) or "did not solve" in str(e)
-    else:
-        assert plan.peak_bytes <= budget
+    for fraction in (0.0, 0.05, 0.3):
+        budget = _between(g, fraction)
+        try:
+            plan = checkmate_lp(g, budget, time_limit_s=20)
+        except (NoScheduleFoundError, InfeasibleBudgetError) as error:
+            assert "raise the budget" in str(error)
+        else:
+            assert replay_plan(g, plan).peak_bytes <= budget

@@ -1,9 +1,12 @@
-"""Benchmark: rematerialization heuristics against the optimal MILP, on graphs it can solve.
+"""Benchmark: rematerialization heuristics against Checkmate's MILP and its LP relaxation.
 
 For each graph and each budget ratio (of the checkpoint-all peak) it plans with Checkmate's
 MILP (``remat.checkmate``; HiGHS with a time limit: the optimum, or the best schedule found and
 HiGHS's lower bound; at most ``MILP_MAX_STAGES`` stages, so on the larger graphs the optimum is
-that of a coarsened model and the bound is a bound of that model), Chen et al.'s √n and greedy
+that of a coarsened model and the bound is a bound of that model; skipped above
+``MILP_MAX_OPS`` ops), Checkmate's LP relaxation with two-phase rounding on the whole graph
+(``remat.checkmate_lp``: the rounded plan and the LP's value, a lower bound on the MILP's
+optimum when the LP is not grouped), Chen et al.'s √n and greedy
 segment checkpointing (``remat.baselines``), and the DTR simulator with ``dtr`` and the
 ``offline`` planner (``remat.simulator``: the best of a portfolio of eviction scores, ``belady``
 reading the known future among them).
@@ -16,13 +19,20 @@ Graphs:
   calibrated to TF's allocations (``remat.tf_memory.tf_memory_model``: planning graph of
   buffer-forwarding chains, aliases free, feeds and constants resident): the graph the
   pipeline plans on;
+- ``mlp/activations``, ``resnet/activations``, ``transformer/activations``: the zoo's
+  rematerialization presets (``models.PRESETS``), profiled and calibrated the same way;
 - ``training_like_N``: ``profiler.synthetic.training_like(N)`` with the batch scaled ×32
   (activation bytes and compute ×32, weights unchanged), so that activations, not weights,
   dominate the peak as in real training.
 
 Writes ``bench/results/remat_milp.json``, ``remat_milp.png`` and ``remat_milp.txt``.
 
+``--zoo`` instead plans every zoo model's presets (``default`` and ``activations``) with
+``checkmate_lp`` alone at ``ZOO_RATIOS``: graph size, LP size, solve time, overhead beside
+``dtr`` and ``offline``; writes ``bench/results/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``.
+
     python -m graphfit.tools.bench_remat_milp [time_limit_s]
+    python -m graphfit.tools.bench_remat_milp --zoo
 """
 
 from __future__ import annotations
@@ -34,15 +44,21 @@ import time
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.profile import atomic_write_json
 from graphfit.profiler.synthetic import training_like
-from graphfit.remat import baselines, checkmate, simulator
+from graphfit.remat import baselines, checkmate, checkmate_lp, simulator
 from graphfit.remat.pipeline import resident_outputs
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
 
-__all__ = ["main", "activation_heavy", "planners_at"]
+__all__ = ["main", "activation_heavy", "planners_at", "zoo"]
 
 RESULTS = "bench/results"
 RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
-PLANNERS = ("milp", "chen_sqrt_n", "chen_greedy", "dtr", "offline")
+PLANNERS = ("milp", "checkmate_lp", "chen_sqrt_n", "chen_greedy", "dtr", "offline")
+PRESET_GRAPHS = (("mlp", "activations"), ("resnet", "activations"),
+                 ("transformer", "activations"))
+# Above this many ops the (coarsened) MILP finds nothing useful in its time limit.
+MILP_MAX_OPS = 300
+ZOO_MODELS = ("mlp", "cifarnet", "resnet", "inception_v3", "gnmt_v2", "transformer")
+ZOO_RATIOS = (0.9, 0.7, 0.5)
 TRAINING_LIKE_SIZES = (60, 120, 200)
 BATCH_FACTOR = 32
 # HiGHS solves Checkmate's model (a stage per decision op) within the time limit up to about
@@ -87,9 +103,13 @@ def _model_graph(name: str, **knobs) -> tuple[CostGraph, list[int], dict]:
 def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
          time_limit_s: float) -> dict:
     """One planner at one budget: overhead and peak of its plan, or why there is none."""
-    begin = time.perf_counter()
+    begin, cpu = time.perf_counter(), time.process_time()
+    if planner == "milp" and graph.num_ops > MILP_MAX_OPS:
+        return {"skipped": f"more than {MILP_MAX_OPS} ops"}
     try:
-        if planner == "milp":
+        if planner == "checkmate_lp":
+            plan = checkmate_lp.checkmate_lp(graph, budget, outputs=outputs)
+        elif planner == "milp":
             plan = checkmate.checkmate_milp(graph, budget, time_limit_s=time_limit_s,
                                             outputs=outputs, max_stages=MILP_MAX_STAGES)
         elif planner == "chen_sqrt_n":
@@ -100,16 +120,21 @@ def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
             plan = simulator.simulate(graph, budget, planner, outputs=outputs)
     except (InfeasibleBudgetError, simulator.RematError, checkmate.NoScheduleFoundError) as error:
         return {"error": type(error).__name__, "message": str(error)[:300],
-                "seconds": time.perf_counter() - begin}
+                "seconds": time.perf_counter() - begin, "cpu_seconds": time.process_time() - cpu}
     seconds = time.perf_counter() - begin
     replay = replay_plan(graph, plan, outputs)
     row = {"overhead": replay.overhead, "peak_bytes": replay.peak_bytes,
            "recomputes": replay.num_recomputes, "seconds": seconds,
+           "cpu_seconds": time.process_time() - cpu,
            "within_budget": replay.peak_bytes <= budget}
     if planner == "milp":
         row.update({k: plan.stats[k] for k in ("status", "bound_overhead", "mip_gap",
                                                 "num_stages", "coarsened", "num_binaries",
                                                 "num_constraints")})
+    if planner == "checkmate_lp":
+        row.update({k: plan.stats[k] for k in ("lp_overhead", "lp_is_bound", "num_stages",
+                                                "num_variables", "num_constraints", "lp_s",
+                                                "lp_solves", "rounding", "budget_scale")})
     return row
 
 
@@ -128,6 +153,8 @@ def planners_at(graph: CostGraph, outputs: list[int], ratios=RATIOS,
 
 
 def _cell(row: dict) -> str:
+    if "skipped" in row:
+        return "-"
     if "error" in row:
         return {"InfeasibleBudgetError": "infeas.", "BudgetTooSmallError": "infeas.",
                 "NoScheduleFoundError": "no sol.", "ThrashError": "thrash",
@@ -135,6 +162,8 @@ def _cell(row: dict) -> str:
     if not row["within_budget"]:
         return f"({row['peak_bytes'] / 2**20:.0f}M)"
     text = f"{row['overhead']:.3f}"
+    if row.get("lp_overhead") is not None:
+        text += f"{'≥' if row['lp_is_bound'] else '~'}{row['lp_overhead']:.3f}"
     if row.get("status") == "time_limit":
         text += f"≥{row['bound_overhead']:.3f}"
     return text + ("*" if row.get("coarsened") else "")
@@ -146,14 +175,17 @@ def _table(results: dict) -> str:
              "HiGHS found no schedule in the time limit;",
              f"'*': coarsened model (at most {MILP_MAX_STAGES} stages; optimal, and bounds, "
              "for that model only); '(NM)': the plan's peak (MiB) is over budget;",
+             "checkmate_lp 'a≥b': rounded plan a, LP lower bound b; 'a~b': LP grouped (its "
+             "value b bounds nothing); '-': not run (milp above "
+             f"{MILP_MAX_OPS} ops);",
              "infeas.: below the minimum budget (or proved infeasible); oom/thrash: the DTR "
              "simulation failed", ""]
-    header = f"{'graph':<18}{'ops':>5}{'ratio':>6}  " + "".join(f"{p:>16}" for p in PLANNERS)
+    header = f"{'graph':<24}{'ops':>5}{'ratio':>6}  " + "".join(f"{p:>16}" for p in PLANNERS)
     lines.append(header)
     for name, graph in results["graphs"].items():
         for entry in graph["budgets"]:
             cells = "".join(f"{_cell(entry['planners'][p]):>16}" for p in PLANNERS)
-            lines.append(f"{name:<18}{graph['num_ops']:>5}{entry['ratio']:>6.2f}  {cells}")
+            lines.append(f"{name:<24}{graph['num_ops']:>5}{entry['ratio']:>6.2f}  {cells}")
     return "\n".join(lines)
 
 
@@ -165,15 +197,19 @@ def _plot(results: dict, path: str) -> None:
     graphs = results["graphs"]
     fig, axes = plt.subplots(1, len(graphs), figsize=(4 * len(graphs), 3.6), squeeze=False)
     for ax, (name, graph) in zip(axes[0], graphs.items()):
-        for planner in PLANNERS:
+        for color, planner in enumerate(PLANNERS):  # one color per planner in every panel
             points = [(e["ratio"], e["planners"][planner]["overhead"]) for e in graph["budgets"]
                       if e["planners"][planner].get("within_budget")]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=planner)
+            ax.plot(*(zip(*points) if points else ([], [])), marker="o", color=f"C{color}",
+                    label=planner)
         bounds = [(e["ratio"], e["planners"]["milp"]["bound_overhead"]) for e in graph["budgets"]
                   if e["planners"]["milp"].get("bound_overhead") is not None]
         if bounds:
             ax.plot(*zip(*bounds), "k--", linewidth=1, label="milp bound")
+        lp = [(e["ratio"], e["planners"]["checkmate_lp"]["lp_overhead"]) for e in graph["budgets"]
+              if e["planners"]["checkmate_lp"].get("lp_is_bound")]
+        if lp:
+            ax.plot(*zip(*lp), "k:", linewidth=1, label="LP bound")
         ax.set_title(f"{name} ({graph['num_ops']} ops)")
         ax.set_xlabel("budget / checkpoint-all peak")
         ax.invert_xaxis()
@@ -192,6 +228,8 @@ def main(time_limit_s: float = 20.0) -> dict:
     graphs: dict[str, tuple[CostGraph, list[int], dict]] = {}
     graphs["mlp"] = _model_graph("mlp", preset="tiny", batch_size=2048, depth=24, width=128)
     graphs["resnet"] = _model_graph("resnet", preset="tiny", batch_size=32)
+    for model, preset in PRESET_GRAPHS:
+        graphs[f"{model}/{preset}"] = _model_graph(model, preset=preset)
     for size in TRAINING_LIKE_SIZES:
         graph = activation_heavy(training_like(size, seed=size))
         graphs[f"training_like_{size}"] = (
@@ -216,5 +254,48 @@ def main(time_limit_s: float = 20.0) -> dict:
     return results
 
 
+def zoo(models=ZOO_MODELS, ratios=ZOO_RATIOS) -> dict:
+    """``checkmate_lp`` beside ``dtr`` and ``offline`` on every zoo model's presets."""
+    from graphfit.models import PRESETS
+
+    begin = time.perf_counter()
+    rows = []
+    for model in models:
+        for preset in ("default", "activations"):
+            if preset not in PRESETS[model]:
+                continue
+            graph, outputs, _ = _model_graph(model, preset=preset)
+            peak = baselines.checkpoint_all(graph, outputs=outputs).peak_bytes
+            for ratio in ratios:
+                runs = {p: _run(p, graph, int(ratio * peak), outputs, 60.0)
+                        for p in ("checkmate_lp", "dtr", "offline")}
+                rows.append({"graph": f"{model}/{preset}", "num_ops": graph.num_ops,
+                             "ratio": ratio, "planners": runs})
+                print(f"remat_lp_zoo: {model}/{preset} ({graph.num_ops} ops) {ratio}: "
+                      + "  ".join(f"{p} {_cell(r)}" for p, r in runs.items())
+                      + f"  ({runs['checkmate_lp']['seconds']:.1f} s)", flush=True)
+    lines = [f"{'graph':<24}{'ops':>6}{'ratio':>6}{'stages':>7}{'vars':>8}{'rows':>8}"
+             f"{'lp s':>7}{'total s':>8}{'checkmate_lp':>18}{'dtr':>9}{'offline':>9}"]
+    for row in rows:
+        lp = row["planners"]["checkmate_lp"]
+        sizes = (f"{lp['num_stages']:>7}{lp['num_variables']:>8}{lp['num_constraints']:>8}"
+                 f"{lp['lp_s']:>7.1f}" if "lp_s" in lp else f"{'':>30}")
+        lines.append(f"{row['graph']:<24}{row['num_ops']:>6}{row['ratio']:>6.2f}{sizes}"
+                     f"{lp['seconds']:>8.1f}{_cell(lp):>18}"
+                     f"{_cell(row['planners']['dtr']):>9}{_cell(row['planners']['offline']):>9}")
+    table = "\n".join(lines)
+    results = {"ratios": list(ratios), "rows": rows, "seconds": time.perf_counter() - begin}
+    atomic_write_json(os.path.join(RESULTS, "remat_lp_zoo.json"), results)
+    with open(os.path.join(RESULTS, "remat_lp_zoo.txt.tmp"), "w") as f:
+        f.write(table + "\n")
+    os.replace(os.path.join(RESULTS, "remat_lp_zoo.txt.tmp"),
+               os.path.join(RESULTS, "remat_lp_zoo.txt"))
+    print(table)
+    return results
+
+
 if __name__ == "__main__":
-    main(*(float(a) for a in sys.argv[1:2]))
+    if sys.argv[1:2] == ["--zoo"]:
+        zoo()
+    else:
+        main(*(float(a) for a in sys.argv[1:2]))
