@@ -268,7 +268,8 @@ class _Simulation:
                     score = h.refine(self, t, best_score)
                     if score < best_score:
                         best, best_score = t, score
-            self._evict(best)
+            # Every score infinite (all touched at the current clock): the first one goes.
+            self._evict(best if best >= 0 else ranked[start])
 
     def _evict(self, t: int) -> None:
         self._drop(t)
@@ -308,7 +309,8 @@ class _Simulation:
                     self.heuristic.on_rematerialize(self, w)
                     if not self.is_live(w):
                         self.scratch[w] = -1
-            self.last_access[w] = self.clock
+            if not recompute:
+                self.last_access[w] = self.clock
         self.computed[q] = True
         self.events.append(Event(RECOMPUTE if recompute else COMPUTE, q))
         if recompute:
@@ -325,6 +327,7 @@ class _Simulation:
         """Make ``inputs`` resident (recomputing evicted ones, recursively, with an explicit
         stack), then run ``op`` (-1: only lock the inputs, for the end of the step)."""
         frames = [[op, inputs, 0]]
+        self.last_access[inputs] = self.clock
         while frames:
             frame = frames[-1]
             q, ins, k = frame
@@ -339,6 +342,7 @@ class _Simulation:
                         raise RematError(f"internal error: {self.graph.tensor_name(t)} is needed "
                                          "but can no longer be recomputed")
                     frames.append([p, self.op_inputs[p], 0])
+                    self.last_access[self.op_inputs[p]] = self.clock
                 continue
             frames.pop()
             if q < 0:
@@ -346,7 +350,6 @@ class _Simulation:
             self._run(q, recompute=bool(frames) or self.computed[q])
             for t in ins:
                 self._unlock(t)
-                self.last_access[t] = self.clock
 
     def _clean_scratch(self) -> None:
         """After each op: free the kept dead tensors that no recomputation can read any more."""
