@@ -10,12 +10,18 @@ an ``offline`` planner that replays the step with ``belady`` and ``dtr`` and kee
 plan). Notation, for a tensor t:
 
 - c(t): compute time of the op that made t (all of its outputs are recomputed together);
-- m(t): its bytes;  s(t): staleness = clock - time t was last made or read (clock = simulated
-  compute time so far, recomputations included);
-- e*(t): the evicted neighbourhood: evicted ancestors that recomputing t would have to recompute
-  first (through chains of non-resident tensors), and evicted, still-needed descendants whose
-  recomputation would need t (through chains of evicted, still-needed tensors). c(S) sums the
-  op costs of a set, each op once.
+- m(t): its bytes;  s(t): staleness = clock - time t was last accessed (clock = simulated
+  compute time so far, recomputations included; the simulator stamps an op's inputs when the
+  op starts and its outputs when first made). A tensor with s(t) = 0 scores infinite under
+  every staleness-based score, as in DTR: it goes only when nothing else is left;
+- e*(t): the evicted neighbourhood: the non-resident ancestors that recomputing t would have
+  to recompute first, and the non-resident descendants made from t (both through chains of
+  non-resident tensors, dead ones included: for DTR a tensor the program released is one
+  more evicted tensor). c(S) sums the op costs of a set, each op once.
+
+The seven DTR scores, as the paper defines them: ``dtr`` (c + c(e*)) / (m s); ``dtr_eq`` the
+same with e* approximated by union-find classes; ``dtr_local`` c / (m s); ``lru`` oldest access
+first; ``size`` largest first; ``msps`` (c + c(evicted ancestors)) / m; ``random``.
 
 The simulator asks a heuristic for ``bounds`` (vectorized, one per candidate). A heuristic with
 ``refine = None`` is exact there, and since evicting one tensor changes no other tensor's score,

@@ -18,11 +18,17 @@ The memory model (``remat.validate.replay_plan`` checks any plan with the same r
   all be resident when the step ends (they are recomputed then if evicted).
 - A dead tensor (past its last use, or recomputed only to recompute another one) is kept,
   evictable, while recomputing an evicted, still-needed tensor would read it (found by a short
-  walk down through evicted tensors): holding it costs its bytes only until the heuristic
-  needs them, while freeing it would make that recomputation start further up. It is freed
-  after the op at which no such tensor is left. (DTR's runtime keeps every dead tensor until
-  the program releases it; freeing the others at their last use never costs a
-  recomputation.)
+  walk down through evicted tensors): holding it costs its bytes only until the heuristic,
+  which scores it like any candidate (its e* counts the descendants waiting for it), finds it
+  the cheapest to evict, while freeing it would make that recomputation start further up.
+  It is freed
+  after the op at which no such tensor is left. (DTR's runtime keeps every dead tensor,
+  evictable, until the program releases it; here one that serves no evicted tensor is freed
+  at its last use, which costs a recomputation only if a descendant is evicted later and its
+  recomputation reaches up to it.)
+- Staleness, as in DTR's simulator: an op's inputs are accessed when the op starts (before
+  the recomputations it triggers), its outputs when first made; a recomputed tensor keeps the
+  access time of the read that triggered it.
 - Never evicted, never recomputed: outputs of stateful, random, variable and resource-reading
   ops and of ops without data inputs (feeds, constants; their memory is held by the runtime
   anyway). When such a tensor dies, the ops reading it can no longer be recomputed, so their
