@@ -1,8 +1,8 @@
 """Benchmark: every eviction heuristic on DTR's eight PyTorch traces, budgets 100% .. 10%.
 
 For each trace of ``../shared/dtr-logs/logs.zip`` (read by ``remat.dtr_logs``), each planner of
-``remat.simulator.PLANNERS`` and each budget ratio 1.0, 0.9, ..., 0.1, it plans the step with the DTR simulator and records the overhead (compute with
-recomputation / without) or the failure (``oom``: nothing left to evict; ``thrash``: overhead
+``remat.simulator.PLANNERS`` and each budget ratio 1.0, 0.9, ..., 0.1, it plans the step with
+the DTR simulator and records the overhead (compute with recomputation / without) or the failure (``oom``: nothing left to evict; ``thrash``: overhead
 above 2x; ``below_minimum``: under the lower bound every plan needs). Once a planner fails on a
 trace, its lower ratios are not run (``skipped``): they would fail the same way, slowly. The
 ``offline`` planner replays ``belady`` and ``dtr`` and keeps the cheaper plan; its rows are
