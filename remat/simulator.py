@@ -367,6 +367,10 @@ class _Simulation:
                 witness = self._served_by(t)
             if witness >= 0:
                 kept[t] = witness
+            elif not self.recomputable[self.producer[t]]:
+                # Its producer lost an input while t was kept: t goes as an unrecomputable
+                # tensor does, pinning what is made from it.
+                self._banish(t)
             else:
                 self._drop(t)
                 self.heuristic.on_evict(self, t)

@@ -411,3 +411,17 @@ def test_dtr_eq_classes_are_merged_on_eviction_and_renewed_on_rematerialization(
     assert h.refine(state, 5, np.inf) == pytest.approx((1e5 + 10) / (100 * 50))
     # d's producer reads c, whose class still holds C alone.
     assert h.refine(state, 4, np.inf) == pytest.approx((1e4 + 1000) / (100 * 50))
+
+
+def test_a_kept_dead_tensor_whose_producer_lost_its_input_is_banished_not_lost():
+    # Found by the property test: a dead tensor kept for an evicted descendant, whose producer
+    # became unrecomputable (its random input died), was freed like a recomputable one; a
+    # later recomputation of a descendant then needed it ("can no longer be recomputed").
+    g = random_dag(18, 505)
+    budget = 0.625 * baseline_peak_bytes(g)
+    for heuristic in ("dtr", "dtr_eq", "dtr_local", "lru"):
+        try:
+            plan = simulate(g, budget, heuristic, overhead_limit=3.0, seed=505)
+        except OutOfMemoryError:
+            continue
+        replay_plan(g, plan)
