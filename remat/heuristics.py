@@ -10,12 +10,18 @@ an ``offline`` planner that replays the step with ``belady`` and ``dtr`` and kee
 plan). Notation, for a tensor t:
 
 - c(t): compute time of the op that made t (all of its outputs are recomputed together);
-- m(t): its bytes;  s(t): staleness = clock - time t was last made or read (clock = simulated
-  compute time so far, recomputations included);
-- e*(t): the evicted neighbourhood: evicted ancestors that recomputing t would have to recompute
-  first (through chains of non-resident tensors), and evicted, still-needed descendants whose
-  recomputation would need t (through chains of evicted, still-needed tensors). c(S) sums the
-  op costs of a set, each op once.
+- m(t): its bytes;  s(t): staleness = clock - time t was last accessed (clock = simulated
+  compute time so far, recomputations included; the simulator stamps an op's inputs when the
+  op starts and its outputs when first made). A tensor with s(t) = 0 scores infinite under
+  every staleness-based score, as in DTR: it goes only when nothing else is left;
+- e*(t): the evicted neighbourhood: the non-resident ancestors that recomputing t would have
+  to recompute first, and the non-resident descendants made from t (both through chains of
+  non-resident tensors, dead ones included: for DTR a tensor the program released is one
+  more evicted tensor). c(S) sums the op costs of a set, each op once.
+
+The seven DTR scores, as the paper defines them: ``dtr`` (c + c(e*)) / (m s); ``dtr_eq`` the
+same with e* approximated by union-find classes; ``dtr_local`` c / (m s); ``lru`` oldest access
+first; ``size`` largest first; ``msps`` (c + c(evicted ancestors)) / m; ``random``.
 
 The simulator asks a heuristic for ``bounds`` (vectorized, one per candidate). A heuristic with
 ``refine = None`` is exact there, and since evicting one tensor changes no other tensor's score,
@@ -40,11 +46,6 @@ __all__ = ["HEURISTICS", "Heuristic", "SimulationState", "make_heuristic",
            "evicted_ancestors_cost", "evicted_neighbourhood_cost"]
 
 HEURISTICS = ("dtr", "dtr_eq", "dtr_local", "lru", "size", "msps", "random", "belady")
-
-# Staleness of a tensor touched at the current clock: small but non-zero, so the score stays
-# finite and a just-used tensor sorts last among equals.
-_MIN_STALENESS_US = 1e-3
-
 
 class SimulationState(Protocol):
     """What the heuristics read from a running simulation (see ``remat.simulator``)."""
@@ -83,18 +84,23 @@ class Heuristic:
         """``t`` became resident again through a recomputation."""
 
 
-def _staleness(state: SimulationState, cand: np.ndarray) -> np.ndarray:
-    return np.maximum(state.clock - state.last_access[cand], _MIN_STALENESS_US)
+def _ratio(cost: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """cost / weight, infinite where the weight is 0: as in DTR, a tensor touched at the
+    current clock (staleness 0) is evicted only when nothing else is left."""
+    out = np.full(len(weight), math.inf)
+    np.divide(cost, weight, out=out, where=weight > 0)
+    return out
 
 
 def _local(state: SimulationState, cand: np.ndarray) -> np.ndarray:
     """c / (m * s): the part of h_DTR every variant shares."""
-    return state.tensor_cost_us[cand] / (state.size_bytes[cand] * _staleness(state, cand))
+    staleness = state.clock - state.last_access[cand]
+    return _ratio(state.tensor_cost_us[cand], state.size_bytes[cand] * staleness)
 
 
 def _weight(state: SimulationState, t: int) -> float:
-    """m(t) * s(t) of one tensor."""
-    return state.size_bytes[t] * max(state.clock - state.last_access[t], _MIN_STALENESS_US)
+    """m(t) * s(t) of one tensor (0 when it was touched at the current clock)."""
+    return state.size_bytes[t] * (state.clock - state.last_access[t])
 
 
 def evicted_ancestors_cost(state: SimulationState, t: int, seen: set[int] | None = None,
@@ -124,9 +130,11 @@ def evicted_ancestors_cost(state: SimulationState, t: int, seen: set[int] | None
 
 
 def evicted_neighbourhood_cost(state: SimulationState, t: int, limit: float = math.inf) -> float:
-    """c(e*(t)): evicted ancestors (``evicted_ancestors_cost``) plus the evicted, still-needed
-    descendants whose recomputation would need ``t`` (DTR §3, "evicted neighborhood"); stops
-    once the sum reaches ``limit``."""
+    """c(e*(t)), DTR §3's "evicted neighborhood": the evicted ancestors
+    (``evicted_ancestors_cost``) plus every non-resident descendant reachable from ``t``
+    through non-resident tensors made by ops already run — dead ones included, as in DTR,
+    where a tensor the program released is evicted like any other; stops once the sum
+    reaches ``limit``."""
     seen: set[int] = {state.producer[t]}
     total = evicted_ancestors_cost(state, t, seen, limit)
     resident, computed, consumers, op_outputs, cost = (
@@ -136,7 +144,7 @@ def evicted_neighbourhood_cost(state: SimulationState, t: int, limit: float = ma
         for r in consumers[stack.pop()]:
             if not computed[r] or r in seen:
                 continue
-            evicted = [w for w in op_outputs[r] if not resident[w] and state.is_live(w)]
+            evicted = [w for w in op_outputs[r] if not resident[w]]
             if evicted:
                 seen.add(r)
                 total += cost[r]
@@ -156,6 +164,8 @@ class DTR(Heuristic):
 
     def refine(self, state, t, cutoff):
         c, w = state.tensor_cost_us[t], _weight(state, t)
+        if w <= 0:
+            return math.inf
         return (c + evicted_neighbourhood_cost(state, t, cutoff * w - c)) / w
 
 
@@ -163,18 +173,20 @@ class DTREquivalenceClasses(Heuristic):
     """h_DTR_eq(t) = (c(t) + Σ_{classes E next to t} c(E)) / (m(t) * s(t)) — DTR appendix
     ("equivalence class" approximation of e*).
 
-    Evicted tensors (tensors freed after their last use included, as DTR's eager eviction does)
-    form union-find classes: an evicted tensor joins the classes of its evicted
-    neighbours (inputs of its producer, outputs of its consumers); a rematerialized tensor's
-    cost leaves its class, but classes never split. Cheap, and about as good as exact e*.
+    Each eviction (a tensor freed after its last use included: for DTR a released tensor is
+    an evicted one) makes the tensor a new union-find node holding its cost, merged with the
+    classes of its evicted neighbours (inputs of its producer, outputs of its consumers).
+    Rematerializing a tensor subtracts its cost from its class and detaches it (its next
+    eviction makes a new node), but classes never split: the sum over a class may count
+    tensors that no longer connect. Cheap, and about as good as exact e*.
     """
 
     name = "dtr_eq"
 
     def __init__(self, num_tensors: int):
-        self.parent = list(range(num_tensors))
-        self.class_cost = [0.0] * num_tensors
-        self.member = [False] * num_tensors
+        self.node = [-1] * num_tensors   # union-find node of an evicted tensor, else -1
+        self.parent: list[int] = []
+        self.class_cost: list[float] = []
 
     def _find(self, x: int) -> int:
         parent = self.parent
@@ -185,36 +197,38 @@ class DTREquivalenceClasses(Heuristic):
             parent[x], x = root, parent[x]
         return root
 
-    def _evicted_neighbours(self, state, t: int) -> list[int]:
-        resident, member = state.resident, self.member
-        near = [s for s in state.op_inputs[state.producer[t]] if member[s] and not resident[s]]
+    def _neighbour_classes(self, state, t: int) -> set[int]:
+        """Roots of the classes of t's evicted neighbours."""
+        node, resident = self.node, state.resident
+        near = [s for s in state.op_inputs[state.producer[t]] if node[s] >= 0 and not resident[s]]
         for r in state.consumers[t]:
             if state.computed[r]:
-                near.extend(w for w in state.op_outputs[r] if member[w] and not resident[w])
-        return near
+                near.extend(w for w in state.op_outputs[r] if node[w] >= 0 and not resident[w])
+        return {self._find(self.node[x]) for x in near}
 
     def on_evict(self, state, t):
-        self.member[t] = True
-        root = self._find(t)
-        self.class_cost[root] += float(state.tensor_cost_us[t])
-        for x in self._evicted_neighbours(state, t):
-            other = self._find(x)
-            if other != root:
-                self.parent[other] = root
-                self.class_cost[root] += self.class_cost[other]
+        root = len(self.parent)
+        self.parent.append(root)
+        self.class_cost.append(float(state.tensor_cost_us[t]))
+        for other in self._neighbour_classes(state, t):
+            self.parent[other] = root
+            self.class_cost[root] += self.class_cost[other]
+        self.node[t] = root
 
     def on_rematerialize(self, state, t):
-        if self.member[t]:
-            self.member[t] = False
-            self.class_cost[self._find(t)] -= float(state.tensor_cost_us[t])
+        if self.node[t] >= 0:
+            self.class_cost[self._find(self.node[t])] -= float(state.tensor_cost_us[t])
+            self.node[t] = -1
 
     def bounds(self, state, cand):
         return _local(state, cand)
 
     def refine(self, state, t, cutoff):
-        roots = {self._find(x) for x in self._evicted_neighbours(state, t)}
-        extra = sum(max(0.0, self.class_cost[r]) for r in roots)
-        return (state.tensor_cost_us[t] + extra) / _weight(state, t)
+        w = _weight(state, t)
+        if w <= 0:
+            return math.inf
+        extra = sum(max(0.0, self.class_cost[r]) for r in self._neighbour_classes(state, t))
+        return (state.tensor_cost_us[t] + extra) / w
 
 
 class DTRLocal(Heuristic):
@@ -227,12 +241,13 @@ class DTRLocal(Heuristic):
 
 
 class LRU(Heuristic):
-    """h_LRU(t) = 1 / s(t): least recently used first — DTR appendix, ablation."""
+    """h_LRU(t): the time t was last made or read — least recently used first (the order of
+    1 / s(t)); DTR appendix, ablation."""
 
     name = "lru"
 
     def bounds(self, state, cand):
-        return 1.0 / _staleness(state, cand)
+        return state.last_access[cand].copy()
 
 
 class Size(Heuristic):

@@ -18,11 +18,17 @@ The memory model (``remat.validate.replay_plan`` checks any plan with the same r
   all be resident when the step ends (they are recomputed then if evicted).
 - A dead tensor (past its last use, or recomputed only to recompute another one) is kept,
   evictable, while recomputing an evicted, still-needed tensor would read it (found by a short
-  walk down through evicted tensors): holding it costs its bytes only until the heuristic
-  needs them, while freeing it would make that recomputation start further up. It is freed
-  after the op at which no such tensor is left. (DTR's runtime keeps every dead tensor until
-  the program releases it; freeing the others at their last use never costs a
-  recomputation.)
+  walk down through evicted tensors): holding it costs its bytes only until the heuristic,
+  which scores it like any candidate (its e* counts the descendants waiting for it), finds it
+  the cheapest to evict, while freeing it would make that recomputation start further up.
+  It is freed
+  after the op at which no such tensor is left. (DTR's runtime keeps every dead tensor,
+  evictable, until the program releases it; here one that serves no evicted tensor is freed
+  at its last use, which costs a recomputation only if a descendant is evicted later and its
+  recomputation reaches up to it.)
+- Staleness, as in DTR's simulator: an op's inputs are accessed when the op starts (before
+  the recomputations it triggers), its outputs when first made; a recomputed tensor keeps the
+  access time of the read that triggered it.
 - Never evicted, never recomputed: outputs of stateful, random, variable and resource-reading
   ops and of ops without data inputs (feeds, constants; their memory is held by the runtime
   anyway). When such a tensor dies, the ops reading it can no longer be recomputed, so their
@@ -268,7 +274,8 @@ class _Simulation:
                     score = h.refine(self, t, best_score)
                     if score < best_score:
                         best, best_score = t, score
-            self._evict(best)
+            # Every score infinite (all touched at the current clock): the first one goes.
+            self._evict(best if best >= 0 else ranked[start])
 
     def _evict(self, t: int) -> None:
         self._drop(t)
@@ -308,7 +315,8 @@ class _Simulation:
                     self.heuristic.on_rematerialize(self, w)
                     if not self.is_live(w):
                         self.scratch[w] = -1
-            self.last_access[w] = self.clock
+            if not recompute:
+                self.last_access[w] = self.clock
         self.computed[q] = True
         self.events.append(Event(RECOMPUTE if recompute else COMPUTE, q))
         if recompute:
@@ -325,6 +333,7 @@ class _Simulation:
         """Make ``inputs`` resident (recomputing evicted ones, recursively, with an explicit
         stack), then run ``op`` (-1: only lock the inputs, for the end of the step)."""
         frames = [[op, inputs, 0]]
+        self.last_access[inputs] = self.clock
         while frames:
             frame = frames[-1]
             q, ins, k = frame
@@ -339,6 +348,7 @@ class _Simulation:
                         raise RematError(f"internal error: {self.graph.tensor_name(t)} is needed "
                                          "but can no longer be recomputed")
                     frames.append([p, self.op_inputs[p], 0])
+                    self.last_access[self.op_inputs[p]] = self.clock
                 continue
             frames.pop()
             if q < 0:
@@ -346,7 +356,6 @@ class _Simulation:
             self._run(q, recompute=bool(frames) or self.computed[q])
             for t in ins:
                 self._unlock(t)
-                self.last_access[t] = self.clock
 
     def _clean_scratch(self) -> None:
         """After each op: free the kept dead tensors that no recomputation can read any more."""
@@ -358,6 +367,10 @@ class _Simulation:
                 witness = self._served_by(t)
             if witness >= 0:
                 kept[t] = witness
+            elif not self.recomputable[self.producer[t]]:
+                # Its producer lost an input while t was kept: t goes as an unrecomputable
+                # tensor does, pinning what is made from it.
+                self._banish(t)
             else:
                 self._drop(t)
                 self.heuristic.on_evict(self, t)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.profiler.synthetic import random_dag, training_like
 from graphfit.remat.dtr_logs import DtrLogError, default_logs_path, load_trace, load_traces, read_log
-from graphfit.remat.plan import COMPUTE, RECOMPUTE
+from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE
 from graphfit.remat.validate import PlanError, replay_plan
 from graphfit.remat.simulator import (PLANNERS, BudgetTooSmallError, InvalidOrderError, OutOfMemoryError,
                              ThrashError, baseline_peak_bytes, minimum_budget_bytes, simulate)
@@ -285,3 +285,143 @@ def test_release_peak_frees_at_release_events_not_at_last_use():
     assert release_peak_bytes(kept) == 10 + 300
     assert release_peak_bytes(freed) == 10 + 200
     assert baseline_peak_bytes(kept.graph, outputs=kept.outputs) == 10 + 200
+
+
+def _dead_parent_graph():
+    """x -> A -> a -> B -> b; G ages b; C needs room; E reads a for the last time while b is
+    evicted; D reads b. A costs 100, B 1: once b is evicted, recomputing it needs a."""
+    specs = [OpSpec("x", "Placeholder", output_bytes=[10]),
+             OpSpec("A", "Conv", inputs=[("x", 0)], output_bytes=[100], compute_us=100.0),
+             OpSpec("B", "Relu", inputs=[("A", 0)], output_bytes=[100], compute_us=1.0),
+             OpSpec("G", "Shape", inputs=[("x", 0)], output_bytes=[0], compute_us=10.0),
+             OpSpec("C", "Conv", inputs=[("x", 0)], output_bytes=[100], compute_us=5.0),
+             OpSpec("E", "Add", inputs=[("A", 0), ("C", 0)], output_bytes=[50], compute_us=5.0),
+             OpSpec("D", "Mul", inputs=[("B", 0), ("E", 0)], output_bytes=[10], compute_us=5.0)]
+    g = CostGraph.from_ops(specs)
+    order = [g.index[n] for n in ("x", "A", "B", "G", "C", "E", "D")]
+    return g, order, [int(g.op_outputs(g.index["D"])[0])]
+
+
+def test_a_dead_tensor_is_kept_while_an_evicted_descendant_needs_it():
+    g, order, outputs = _dead_parent_graph()
+    plan = simulate(g, 300, "dtr", order=order, outputs=outputs)
+    names = [(e.kind, g.names[e.index] if e.kind != FREE else g.tensor_name(e.index))
+             for e in plan.events]
+    # C evicts b (cheap, stale); a dies at E but b still needs it, so a stays and only B
+    # is recomputed (1 us, not A's 100).
+    assert [n for k, n in names if k == RECOMPUTE] == ["B"]
+    assert plan.compute_us == pytest.approx(g.compute_us.sum() + 1.0)
+    a = g.tensor_name(int(g.op_outputs(g.index["A"])[0]))
+    # Once b is back, a serves nothing: it is freed after D, not held to the end.
+    assert names.index((FREE, a)) > names.index((RECOMPUTE, "B"))
+    replay_plan(g, plan, outputs)
+
+
+def test_a_kept_dead_tensor_is_still_evictable():
+    g, order, outputs = _dead_parent_graph()
+    # 260 bytes: after b is recomputed, D's output only fits if the kept a goes.
+    plan = simulate(g, 260, "dtr", order=order, outputs=outputs)
+    assert plan.peak_bytes <= 260
+    assert [g.names[e.index] for e in plan.events if e.kind == RECOMPUTE] == ["B"]
+    replay_plan(g, plan, outputs)
+
+
+def _chain_state(resident, live, clock=100.0, last_access=None):
+    """A SimulationState for x -> A -> a -> B -> b -> C -> c -> D -> d, plus Y reading a
+    (-> y): tensor t is the output of op t, ops 0..5 = X, A, B, C, D, Y, all run; cost of op
+    k is 10**k (so sums show which ops were counted), 100 bytes each."""
+    from types import SimpleNamespace
+    inputs = [[], [0], [1], [2], [3], [1]]
+    consumers = [[1], [2, 5], [3], [4], [], []]
+    cost = [10.0 ** k for k in range(6)]
+    state = SimpleNamespace(
+        clock=clock, position=6, resident=list(resident), computed=[True] * 6,
+        producer=list(range(6)), op_inputs=inputs, op_outputs=[[k] for k in range(6)],
+        consumers=consumers, op_cost_us=cost, tensor_cost_us=np.array(cost),
+        size_bytes=np.full(6, 100.0), next_use=np.full(6, 99),
+        last_access=np.array(last_access if last_access is not None else [50.0] * 6))
+    state.is_live = lambda t: live[t]
+    return state
+
+
+def test_dtr_score_counts_dead_evicted_descendants_and_ancestors():
+    from graphfit.remat.heuristics import make_heuristic
+    # a (1) resident; b (2) evicted and dead, c (3) evicted and live, x (0) evicted.
+    state = _chain_state(resident=[False, True, False, False, True, True],
+                         live=[False, True, False, True, True, True])
+    h = make_heuristic("dtr", 6)
+    # e*(a) = evicted ancestor X, evicted descendants B and C (dead b included); D's output
+    # is resident, so the walk stops there.
+    assert h.refine(state, 1, np.inf) == pytest.approx((10 + 1 + 100 + 1000) / (100 * 50))
+    # MSPS counts the evicted ancestors only, and ignores staleness.
+    assert make_heuristic("msps", 6).refine(state, 1, np.inf) == pytest.approx((10 + 1) / 100)
+    # dtr_local: the tensor's own cost only.
+    local = make_heuristic("dtr_local", 6).bounds(state, np.array([1]))
+    assert local[0] == pytest.approx(10 / (100 * 50))
+
+
+def test_a_tensor_touched_now_is_evicted_last():
+    from graphfit.remat.heuristics import make_heuristic
+    # a (1) was read at the current clock; y (5) is stale and 1000x dearer to recompute.
+    state = _chain_state(resident=[True] * 6, live=[True] * 6,
+                         last_access=[0, 100.0, 0, 0, 0, 10.0])
+    cand = np.array([1, 5])
+    for name in ("dtr", "dtr_eq", "dtr_local", "lru"):
+        h = make_heuristic(name, 6)
+        bounds = h.bounds(state, cand)
+        assert bounds[0] > bounds[1], name
+        if h.refine is not None:
+            assert h.refine(state, 1, np.inf) == np.inf and np.isfinite(h.refine(state, 5, np.inf))
+    # When every candidate was touched at the current clock (free ops), one still goes.
+    g = CostGraph.from_ops([
+        OpSpec("x", "Placeholder", output_bytes=[10]),
+        OpSpec("A", "View", inputs=[("x", 0)], output_bytes=[100]),
+        OpSpec("B", "View", inputs=[("x", 0)], output_bytes=[100]),
+        OpSpec("D", "Conv", inputs=[("x", 0)], output_bytes=[100], compute_us=1.0),
+        OpSpec("E", "Add", inputs=[("A", 0), ("B", 0)], output_bytes=[0], compute_us=1.0)])
+    order = [g.index[n] for n in "xABDE"]
+    for name in ("dtr", "dtr_eq", "dtr_local", "lru"):
+        plan = simulate(g, 300, name, order=order)
+        assert plan.peak_bytes <= 300 and plan.num_recomputes == 1
+
+
+def test_dtr_eq_classes_are_merged_on_eviction_and_renewed_on_rematerialization():
+    from graphfit.remat.heuristics import make_heuristic
+    state = _chain_state(resident=[True] * 6, live=[True] * 6)
+    h = make_heuristic("dtr_eq", 6)
+
+    def evict(t):
+        state.resident[t] = False
+        h.on_evict(state, t)
+
+    def remat(t):
+        state.resident[t] = True
+        h.on_rematerialize(state, t)
+
+    evict(2)
+    evict(3)          # b, c: one class (B + C)
+    evict(1)          # a joins it: A + B + C
+    # x's only evicted neighbour is a: its class holds A, B and C.
+    assert h.refine(state, 0, np.inf) == pytest.approx((1 + 10 + 100 + 1000) / (100 * 50))
+    remat(1)
+    remat(2)          # the class keeps C only (classes never split)
+    # y's producer reads a (resident now): no evicted neighbour.
+    assert h.refine(state, 5, np.inf) == pytest.approx(1e5 / (100 * 50))
+    evict(1)          # a again: a new class (its neighbours x, b, y are resident)
+    assert h.refine(state, 5, np.inf) == pytest.approx((1e5 + 10) / (100 * 50))
+    # d's producer reads c, whose class still holds C alone.
+    assert h.refine(state, 4, np.inf) == pytest.approx((1e4 + 1000) / (100 * 50))
+
+
+def test_a_kept_dead_tensor_whose_producer_lost_its_input_is_banished_not_lost():
+    # Found by the property test: a dead tensor kept for an evicted descendant, whose producer
+    # became unrecomputable (its random input died), was freed like a recomputable one; a
+    # later recomputation of a descendant then needed it ("can no longer be recomputed").
+    g = random_dag(18, 505)
+    budget = 0.625 * baseline_peak_bytes(g)
+    for heuristic in ("dtr", "dtr_eq", "dtr_local", "lru"):
+        try:
+            plan = simulate(g, budget, heuristic, overhead_limit=3.0, seed=505)
+        except OutOfMemoryError:
+            continue
+        replay_plan(g, plan)

@@ -1,20 +1,22 @@
 """Benchmark: every eviction heuristic on DTR's eight PyTorch traces, budgets 100% .. 10%.
 
 For each trace of ``../shared/dtr-logs/logs.zip`` (read by ``remat.dtr_logs``), each planner of
-``remat.simulator.PLANNERS`` and each budget ratio 1.0, 0.9, ..., 0.1, it plans the step with the DTR simulator and records the overhead (compute with
-recomputation / without) or the failure (``oom``: nothing left to evict; ``thrash``: overhead
+``remat.simulator.PLANNERS`` and each budget ratio 1.0, 0.9, ..., 0.1, it plans the step with
+the DTR simulator and records the overhead (compute with recomputation / without) or the failure (``oom``: nothing left to evict; ``thrash``: overhead
 above 2x; ``below_minimum``: under the lower bound every plan needs). Once a planner fails on a
 trace, its lower ratios are not run (``skipped``): they would fail the same way, slowly. The
 ``offline`` planner replays ``belady`` and ``dtr`` and keeps the cheaper plan; its rows are
 assembled from those two runs by the same rule rather than planned a second time (its planning
 time is measured on its own, on the largest trace).
 
-Budget basis: ratios are of DTR's baseline, as in DTR's paper and simulator: the peak of a
-replay without a budget that frees each storage at the log's release events
-(``remat.dtr_logs.release_peak_bytes``), so "0.5" here is DTR's "0.5". The project's own
-checkpoint-all peak (frees at last use, ``remat.simulator.baseline_peak_bytes``) is lower;
-each trace records both, and ``project_ratio_per_ratio`` (release peak / checkpoint-all
-peak) converts a ratio of DTR's basis into one of the project's.
+Budget bases: ``results`` take ratios of DTR's baseline, as in DTR's paper and simulator: the
+peak of a replay without a budget that frees each storage at the log's release events
+(``remat.dtr_logs.release_peak_bytes``), so "0.5" there is DTR's "0.5". The project's own
+checkpoint-all peak (frees at last use, ``remat.simulator.baseline_peak_bytes``) is lower (0.74
+of it on TreeLSTM): ``results_project_basis`` take the same ratios of that peak, for ``dtr``,
+``belady`` and the ``offline`` planner made of them. Each trace records both peaks, and
+``project_ratio_per_ratio`` (release peak / checkpoint-all peak) converts a ratio of DTR's basis
+into one of the project's. Every planned point records its planning time (``planning_s``).
 
 Targets (issue #4): ``dtr`` reaches ratio 0.5 on all eight with overhead <= 1.2x; ``offline``
 is at least as good as ``dtr`` everywhere and better somewhere; planning a budget of the largest
@@ -50,13 +52,17 @@ PLOT_PATH = "bench/results/remat_traces.png"
 @functools.lru_cache(maxsize=None)
 def _trace(name: str):
     trace = load_traces(names=[name])[name]
-    return trace, release_peak_bytes(trace)
+    return (trace, release_peak_bytes(trace),
+            baseline_peak_bytes(trace.graph, outputs=trace.outputs))
 
 
-def run_planner(name: str, planner: str) -> tuple[str, str, dict, float]:
-    """One planner on one trace at every ratio of DTR's baseline: (name, planner, ratio ->
-    status, overhead, peak, planning time; seconds for all ratios)."""
-    trace, base = _trace(name)
+def run_planner(name: str, planner: str, basis: str = "release_peak"
+                ) -> tuple[str, str, str, dict, float]:
+    """One planner on one trace at every ratio of a baseline (``basis``: "release_peak",
+    DTR's, or "checkpoint_all", the project's): (name, planner, basis, ratio -> status,
+    overhead, peak, planning time; seconds for all ratios)."""
+    trace, release_peak, checkpoint_all = _trace(name)
+    base = release_peak if basis == "release_peak" else checkpoint_all
     rows, failed = {}, None
     begin = time.perf_counter()
     for ratio in RATIOS:
@@ -76,12 +82,12 @@ def run_planner(name: str, planner: str) -> tuple[str, str, dict, float]:
             failed = rows[str(ratio)] = {"status": "oom"}
         except ThrashError as e:
             failed = rows[str(ratio)] = {"status": "thrash", "overhead": e.overhead}
-    return name, planner, rows, time.perf_counter() - begin
+    return name, planner, basis, rows, time.perf_counter() - begin
 
 
 def _planning_times(name: str) -> dict:
     """Median planning seconds of dtr and offline on one trace at a few ratios."""
-    trace, base = _trace(name)
+    trace, base, _ = _trace(name)
     times = {}
     for planner in ("dtr", "offline"):
         for ratio in TIMING_RATIOS:
@@ -180,29 +186,32 @@ def main() -> None:
     names = list(trace_names(zip_path))
     begin = time.perf_counter()
     # Longest traces first, so the two workers finish together.
-    jobs = [(n, p) for n in sorted(names, key=lambda n: -_trace(n)[0].graph.num_ops)
-            for p in PLANNERS if p not in ("offline",)]
+    bases = (("release_peak", PLANNERS), ("checkpoint_all", OFFLINE_PORTFOLIO))
+    jobs = [(n, p, basis) for n in sorted(names, key=lambda n: -_trace(n)[0].graph.num_ops)
+            for basis, planners in bases for p in planners if p != "offline"]
     with multiprocessing.get_context("fork").Pool(2) as pool:
         results = pool.starmap(run_planner, jobs)
     traces = {}
     for name in names:
-        trace, base = _trace(name)
+        trace, base, own = _trace(name)
         minimum = minimum_budget_bytes(trace.graph, outputs=trace.outputs)
-        own = baseline_peak_bytes(trace.graph, outputs=trace.outputs)
         traces[name] = {"num_ops": trace.graph.num_ops, "ratio_basis": "release_peak",
                         "release_peak_bytes": base, "checkpoint_all_peak_bytes": own,
                         "project_ratio_per_ratio": base / own,
                         "minimum_bytes": minimum, "minimum_ratio": minimum / base,
-                        "results": {}, "sweep_s": {}}
-    for name, planner, rows, seconds in results:
-        traces[name]["results"][planner] = rows
-        traces[name]["sweep_s"][planner] = seconds
+                        "results": {}, "results_project_basis": {}, "sweep_s": {}}
+    for name, planner, basis, rows, seconds in results:
+        key = "results" if basis == "release_peak" else "results_project_basis"
+        traces[name][key][planner] = rows
+        traces[name]["sweep_s"][f"{planner}@{basis}"] = seconds
     for t in traces.values():
-        t["results"]["offline"] = _best_of(t["results"], OFFLINE_PORTFOLIO)
+        for key in ("results", "results_project_basis"):
+            t[key]["offline"] = _best_of(t[key], OFFLINE_PORTFOLIO)
     largest = max(names, key=lambda n: traces[n]["num_ops"])
     timing = _planning_times(largest)
-    data = {"ratios": RATIOS, "ratio_basis": "DTR's: release_peak_bytes (peak freeing at the "
-            "log's release events); project_ratio = ratio * release_peak / checkpoint-all peak",
+    data = {"ratios": RATIOS, "ratio_basis": "results: DTR's, release_peak_bytes (peak freeing "
+            "at the log's release events); results_project_basis: the project's checkpoint-all "
+            "peak (frees at last use); project_ratio = ratio * release_peak / checkpoint-all peak",
             "overhead_limit": OVERHEAD_LIMIT, "traces": traces,
             "planning_time": {"trace": largest, "num_ops": traces[largest]["num_ops"],
                               "median_s": timing},
@@ -217,11 +226,15 @@ def main() -> None:
               f"{t['checkpoint_all_peak_bytes'] / 2**20:,.0f} MiB (ratio r of DTR's = "
               f"{t['project_ratio_per_ratio']:.3f} r of ours), lower bound ratio "
               f"{t['minimum_ratio']:.2f}")
-        print(header)
-        for planner, rows in t["results"].items():
-            low = _min_ratio(rows)
-            print(f"{planner:10s} " + " ".join(f"{_cell(rows[str(r)]):>6}" for r in RATIOS)
-                  + f"   {low if low is not None else '-'}")
+        for key, basis in (("results", "DTR's basis"),
+                           ("results_project_basis", "project's basis")):
+            print(f"{basis}: {header}")
+            for planner, rows in t[key].items():
+                low = _min_ratio(rows)
+                slowest = max((row.get("planning_s", 0.0) for row in rows.values()), default=0)
+                print(f"{' ' * len(basis)}  {planner:10s} "
+                      + " ".join(f"{_cell(rows[str(r)]):>6}" for r in RATIOS)
+                      + f"   {low if low is not None else '-':<5}  slowest point {slowest:.2f}s")
     print(f"\nplanning time, {largest} ({traces[largest]['num_ops']} ops), median of "
           f"{TIMING_REPEATS}: " + ", ".join(f"{k} {v:.2f}s" for k, v in timing.items()))
     print("targets:", {k: v for k, v in data["targets"].items() if not isinstance(v, list)})
