@@ -169,6 +169,15 @@ def _cell(row: dict) -> str:
     return text + ("*" if row.get("coarsened") else "")
 
 
+def _write_table(name: str, table: str) -> None:
+    """Write a text table under ``RESULTS`` through a temporary file and a rename (no half
+    file for a reader)."""
+    path = os.path.join(RESULTS, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(table + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def _table(results: dict) -> str:
     lines = ["overhead (compute with recomputation / without) at budget = ratio x checkpoint-all "
              "peak;", "milp 'a≥b': time limit hit, incumbent a, HiGHS lower bound b; 'no sol.': "
@@ -246,9 +255,7 @@ def main(time_limit_s: float = 20.0) -> dict:
     table = _table(results)
     atomic_write_json(os.path.join(RESULTS, "remat_milp.json"), results)
     _plot(results, os.path.join(RESULTS, "remat_milp.png"))
-    with open(os.path.join(RESULTS, "remat_milp.txt.tmp"), "w") as f:
-        f.write(table + "\n")
-    os.replace(os.path.join(RESULTS, "remat_milp.txt.tmp"), os.path.join(RESULTS, "remat_milp.txt"))
+    _write_table("remat_milp.txt", table)
     print(table)
     print(f"remat_milp: {results['seconds']:.0f} s")
     return results
@@ -286,10 +293,7 @@ def zoo(models=ZOO_MODELS, ratios=ZOO_RATIOS) -> dict:
     table = "\n".join(lines)
     results = {"ratios": list(ratios), "rows": rows, "seconds": time.perf_counter() - begin}
     atomic_write_json(os.path.join(RESULTS, "remat_lp_zoo.json"), results)
-    with open(os.path.join(RESULTS, "remat_lp_zoo.txt.tmp"), "w") as f:
-        f.write(table + "\n")
-    os.replace(os.path.join(RESULTS, "remat_lp_zoo.txt.tmp"),
-               os.path.join(RESULTS, "remat_lp_zoo.txt"))
+    _write_table("remat_lp_zoo.txt", table)
     print(table)
     return results
 
