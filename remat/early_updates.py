@@ -25,6 +25,9 @@ rematerialization rewrite, whose clones read the same ``ReadVariableOp`` outputs
 never clones a variable read): a clone the plan put before the update gets its edge too; one
 the plan put after it cannot (that would be a cycle) and is counted in ``late_readers``.
 
+Edges into or out of a contraction + ``BiasAdd`` + activation group would keep Grappler's
+remapper from fusing it: ``remat.remapper_fusions`` moves them off, as after the rewrite.
+
 Preconditions: an acyclic step. Postconditions: the rewritten graph imports, is acyclic, keeps
 every fetched name, no barrier ``IdentityN`` is read any more, and every read of a variable's
 old value is ordered before the variable's updates except the counted late readers.
@@ -39,6 +42,7 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.remat.graph_def_walk import (GraphDefPassError, ancestors, descendants, rebuild,
                                            split_input, successors)
+from graphfit.remat.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["VARIABLE_WRITE_OP_TYPES", "apply_updates_early", "order_updates_after_reads"]
 
@@ -130,6 +134,7 @@ def order_updates_after_reads(item: GraphItem) -> tuple[GraphItem, dict]:
     record = _order(graph_def, item.train_op)
     if not record["ordering_edges"]:
         return item, record
+    record["remapper_groups_freed"] = keep_remapper_fusions(graph_def)["freed"]
     return rebuild(item, graph_def, "update_order", record), record
 
 
@@ -190,5 +195,6 @@ def apply_updates_early(item: GraphItem) -> tuple[GraphItem, dict]:
     if not barriers:
         return item, {"changed": False, "barriers": 0, "ordering_edges": 0}
     record = {"changed": True, "barriers": barriers,
-              "ordering_edges": _order(graph_def, item.train_op)["ordering_edges"]}
+              "ordering_edges": _order(graph_def, item.train_op)["ordering_edges"],
+              "remapper_groups_freed": keep_remapper_fusions(graph_def)["freed"]}
     return rebuild(item, graph_def, "early_updates", record), record

@@ -90,6 +90,7 @@ from graphfit.profiler.tf_function import BACKWARD_SCOPE
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.remat.graph_def_walk import GraphDefPassError, topological_order
 from graphfit.remat.recompute_graph import clone_name
+from graphfit.remat.remapper_fusions import keep_remapper_fusions
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
@@ -172,6 +173,17 @@ def _check_acyclic(graph_def: tf.compat.v1.GraphDef) -> None:
     except GraphDefPassError as error:
         raise RematRewriteError(
             f"{error}: the plan's order contradicts the graph's dependencies") from None
+
+
+def _check_pinned(graph_def: tf.compat.v1.GraphDef, anchors: dict[str, list[str]]) -> None:
+    """Raise unless every pinned node reads (data or control) each node it must run after."""
+    nodes = {node.name: node for node in graph_def.node}
+    for name, node_anchors in anchors.items():
+        before = {_split_input(i)[0] for i in nodes[name].input}
+        for anchor in node_anchors:
+            if anchor not in before:
+                raise RematRewriteError(f"{name!r} lost its edge from {anchor!r}, which holds "
+                                        "it at its place in the plan")
 
 
 def _fusable_pairs(nodes: dict) -> list[tuple[str, str]]:
@@ -415,20 +427,17 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         events_run.append((previous, runs_beside))
 
     graph_def.node.extend(clones)
-    unfused = _protect_fusions(graph_def)
+    _check_pinned(graph_def, anchors)
     _check_acyclic(graph_def)
+    unfused = _protect_fusions(graph_def)
+    fusions = keep_remapper_fusions(graph_def)
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
-    for name, node_anchors in anchors.items():
-        op = graph.get_operation_by_name(name)
-        before = {c.name for c in op.control_inputs} | {t.op.name for t in op.inputs}
-        for anchor in node_anchors:
-            if anchor not in before:
-                raise RematRewriteError(f"{name!r} lost its edge from {anchor!r}, which holds "
-                                        "it at its place in the plan")
     rewritten = item.with_graph(graph)
     rewritten.config = {**item.config,
                         "remat": {"clones": len(clones), "control_edges": control_edges,
-                                  "unfused_pairs": unfused, "method": plan.method}}
+                                  "unfused_pairs": unfused,
+                                  "remapper_groups_freed": fusions["freed"],
+                                  "method": plan.method}}
     return rewritten

@@ -29,6 +29,20 @@ def _step_graph(item):
     return cost_graph_from_graph(item.graph, [item.train_op, item.loss])
 
 
+def _depends_on(op, name: str) -> bool:
+    """Whether TF runs ``op`` after the op ``name``: ``name`` is one of its ancestors."""
+    stack, seen = [op], set()
+    while stack:
+        current = stack.pop()
+        for producer in [t.op for t in current.inputs] + list(current.control_inputs):
+            if producer.name == name:
+                return True
+            if producer.name not in seen:
+                seen.add(producer.name)
+                stack.append(producer)
+    return False
+
+
 def _recompute_layer0_before_backward(graph):
     """Schedule: every op in id order, with layer_0's MatMul/BiasAdd/Relu run again right
     before the first gradient op that reads layer_0/Relu."""
@@ -49,10 +63,14 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
 
     assert item.graph.as_graph_def().SerializeToString(deterministic=True) == before
     assert rewritten.graph is not item.graph
-    clones = {op.name: op for op in rewritten.graph.get_operations() if "/remat_" in op.name}
+    clones = {op.name: op for op in rewritten.graph.get_operations()
+              if op.name.rsplit("/", 1)[-1].startswith("remat_")}
     assert set(clones) == {"layer_0/MatMul/remat_1", "layer_0/BiasAdd/remat_1",
                            "layer_0/Relu/remat_1"}
-    assert clones["layer_0/MatMul/remat_1"].control_inputs, "the first clone must be anchored"
+    # The first clone is anchored, through a gate on its input that keeps the remapper's
+    # MatMul + BiasAdd + Relu fusion (remat.remapper_fusions).
+    gate = clones["layer_0/MatMul/remat_1"].inputs[0].op
+    assert gate.type == "Identity" and gate.control_inputs, "the first clone must be anchored"
     assert [t.op.name for t in clones["layer_0/Relu/remat_1"].inputs] == [
         "layer_0/BiasAdd/remat_1"]
     readers = [op.name for op in rewritten.graph.get_operations()
@@ -77,8 +95,10 @@ def test_clones_survive_grappler_under_the_project_config():
     # Without its pinning edge the first clone has its original's op and inputs (a plan does
     # this when a clone's previous event is its own input).
     graph_def = rewritten.graph.as_graph_def()
-    clone = next(node for node in graph_def.node if node.name == "layer_0/MatMul/remat_1")
-    kept = [name for name in clone.input if not name.startswith("^")]
+    nodes = {node.name: node for node in graph_def.node}
+    clone = nodes["layer_0/MatMul/remat_1"]
+    kept = [nodes[name].input[0] if name.endswith("/fusion_gate") else name
+            for name in clone.input if not name.startswith("^")]
     del clone.input[:]
     clone.input.extend(kept)
     unpinned = tf.Graph()
@@ -124,7 +144,7 @@ def test_default_pin_order_chains_the_backward_pass_before_the_first_recompute()
         if not original.inputs and not original.control_inputs:
             assert not op.control_inputs       # a source node (a constant) is never held back
             continue
-        assert before in {c.name for c in op.control_inputs} | {t.op.name for t in op.inputs}
+        assert _depends_on(op, before)
     assert not rewritten.graph.get_operation_by_name("layer_1/MatMul").control_inputs
 
 

@@ -1,0 +1,129 @@
+"""Grappler's remapper fuses MatMul/Conv2D + BiasAdd + activation only when no member has a
+control edge; ``remat.remapper_fusions`` moves the ordering edges of a rewritten step off such
+groups, keeping what runs after what."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from graphfit import models
+from graphfit.profiler.session import session_config
+from graphfit.profiler.tf_import import cost_graph_from_graph
+from graphfit.remat.remapper_fusions import keep_remapper_fusions
+from graphfit.remat.rewrite import rewrite
+from graphfit.remat.schedule import plan_from_schedule
+
+
+def _dense(conv: bool, reader_feeds_bias: bool = False) -> tf.compat.v1.GraphDef:
+    """x -> contraction -> BiasAdd -> Relu -> sum, every member pinned after ``anchor`` and
+    waited for by ``after`` (the rewrite's ordering edges). With ``reader_feeds_bias`` the
+    bias is read through ``after``, which waits for the contraction."""
+    graph = tf.Graph()
+    with graph.as_default():
+        shape, kernel = ([2, 5, 5, 3], [3, 3, 3, 4]) if conv else ([2, 8], [8, 4])
+        x = tf.compat.v1.placeholder(tf.float32, shape, name="x")
+        w = tf.constant(np.linspace(-1, 1, np.prod(kernel), dtype=np.float32).reshape(kernel))
+        anchor = tf.square(x, name="anchor")
+        with tf.control_dependencies([anchor]):
+            c = (tf.nn.conv2d(x, w, 1, "SAME", name="c") if conv else
+                 tf.matmul(x, w, name="c"))
+        bias = tf.constant([0.5, -0.5, 1.0, -1.0], name="bias")
+        if reader_feeds_bias:
+            with tf.control_dependencies([c.op]):
+                bias = tf.identity(bias, name="after")
+        with tf.control_dependencies([anchor]):
+            b = tf.nn.bias_add(c, bias, name="b")
+        with tf.control_dependencies([anchor]):
+            r = tf.nn.relu(b, name="r")
+        outputs = [tf.reduce_sum(r, name="out")]
+        if not reader_feeds_bias:
+            with tf.control_dependencies([c.op, b.op, r.op]):
+                outputs.append(tf.reduce_sum(tf.square(x), name="after"))
+        tf.identity(tf.add_n(outputs), name="result")
+    return graph.as_graph_def()
+
+
+def _run(graph_def: tf.compat.v1.GraphDef, x: np.ndarray) -> tuple[float, collections.Counter]:
+    """The result and the op types of the graph the session ran, Grappler at the project's
+    configuration."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph, config=session_config()) as session:
+        value = session.run("result:0", {"x:0": x}, run_metadata=metadata,
+                            options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+    return value, collections.Counter(n.op for g in metadata.partition_graphs for n in g.node)
+
+
+def _ancestors(graph_def: tf.compat.v1.GraphDef, name: str) -> set[str]:
+    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
+    seen, stack = set(), [name]
+    while stack:
+        for producer in inputs[stack.pop()]:
+            if producer not in seen:
+                seen.add(producer)
+                stack.append(producer)
+    return seen
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_edges_move_off_the_group_and_the_remapper_fuses_it(conv):
+    graph_def = _dense(conv)
+    x = np.linspace(-2, 2, 50 if conv else 16, dtype=np.float32)
+    x = np.resize(x, [2, 5, 5, 3] if conv else [2, 8])
+    value, ran = _run(graph_def, x)
+    assert ran["Relu"] == 1 and ran["BiasAdd"] == 1      # the edges keep the group apart
+
+    record = keep_remapper_fusions(graph_def)
+    assert record == {"groups": 1, "freed": 1, "blocked": 0}
+    nodes = {n.name: n for n in graph_def.node}
+    members = {"c", "b", "r"}
+    for node in graph_def.node:     # no member has a control input or a control reader
+        controls = {i[1:] for i in node.input if i.startswith("^")}
+        assert not (node.name in members and controls) and not controls & members, node.name
+    # ... and the order holds: each member after ``anchor``, ``after`` after each member.
+    assert all("anchor" in _ancestors(graph_def, m) for m in members)
+    assert members <= _ancestors(graph_def, "after")
+    assert nodes["c"].input[0] == "c/fusion_gate"
+    fused_value, fused_ran = _run(graph_def, x)
+    assert fused_ran["_FusedConv2D" if conv else "_FusedMatMul"] == 1
+    assert not {"Relu", "BiasAdd", "MatMul", "Conv2D"} & set(fused_ran)
+    np.testing.assert_allclose(fused_value, value, rtol=1e-6)
+
+
+def test_a_group_whose_reader_feeds_it_keeps_its_edges():
+    graph_def = _dense(conv=False, reader_feeds_bias=True)
+    before = graph_def.SerializeToString(deterministic=True)
+    assert keep_remapper_fusions(graph_def) == {"groups": 1, "freed": 0, "blocked": 1}
+    assert graph_def.SerializeToString(deterministic=True) == before
+
+
+def test_the_rewritten_mlp_runs_its_clones_fused_like_the_users_step():
+    """The tiny mlp with layer 0 recomputed before the backward pass: the rewrite pins the
+    clones, and the step still runs every MatMul + BiasAdd + Relu as one ``_FusedMatMul``."""
+    item = models.build("mlp", preset="tiny")
+    graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+    chain = [graph.index[f"layer_0/{name}"] for name in ("MatMul", "BiasAdd", "Relu")]
+    first_backward = min(i for i in range(graph.num_ops)
+                         if graph.names[i].startswith("gradients/layer_0"))
+    schedule = list(range(graph.num_ops))
+    schedule = schedule[:first_backward] + chain + schedule[first_backward:]
+    rewritten = rewrite(item, graph, plan_from_schedule(graph, schedule, None, "hand"))
+
+    def ran(step):
+        metadata = tf.compat.v1.RunMetadata()
+        with tf.compat.v1.Session(graph=step.graph, config=session_config()) as session:
+            session.run(step.init_op)
+            session.run([step.train_op, step.loss], step.feed_dict(), run_metadata=metadata,
+                        options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+        return collections.Counter(n.op for g in metadata.partition_graphs for n in g.node)
+
+    user, clones = ran(item), ran(rewritten)
+    assert rewritten.config["remat"]["remapper_groups_freed"] >= 1
+    assert clones["_FusedMatMul"] == user["_FusedMatMul"] + 1
+    assert clones["BiasAdd"] == user["BiasAdd"] and clones["Relu"] == user["Relu"]
