@@ -59,6 +59,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   previous plan event, the second only for the first), so oneDNN fuses mainly in the unpinned
   forward pass. The planning graph keeps such a pair in one node (``remat.tf_memory``), so a
   plan never puts another op between the two.
+- **Grappler's remapper fusions.** The remapper runs a ``MatMul``/``Conv2D`` with its
+  ``BiasAdd`` and activation as one kernel only when none of them has a control edge, which
+  the pinning gives them; ``remat.remapper_fusions`` then moves those edges onto gates and onto
+  the group's end, so clones run fused as in the user's step.
 - **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
