@@ -136,7 +136,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     for _ in range(MAX_PLAN_ROUNDS):
         try:
             rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,
-                                            heuristic=heuristic, overhead_limit=overhead_limit)
+                                            heuristic=heuristic, overhead_limit=overhead_limit,
+                                            predict_time_against=original if verify else None)
         except BudgetError as error:
             if not rounds:
                 raise
@@ -158,7 +159,9 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         if not verify:
             return rewritten, plan, details
         details.update(measure_rewrite(original, rewritten, plan, baseline=baseline),
-                       budget_bytes=budget, planning_budget_bytes=plan.budget_bytes)
+                       budget_bytes=budget, planning_budget_bytes=plan.budget_bytes,
+                       planned_step_vs_user=plan.stats["step_time"]["vs_user"],
+                       planned_step_time=plan.stats["step_time"])
         if order_updates:
             details["weights_match"], details["max_abs_weight_diff"] = compare_weights(
                 original, rewritten)

@@ -187,7 +187,10 @@ def _summary_markdown(result: "OptimizeResult", written: list[str]) -> str:
                   f"{remat['planned_peak_bytes'] / MIB:.2f}, measured "
                   f"{remat.get('measured_peak_bytes', 0) / MIB:.2f} MiB; compute overhead "
                   f"planned x{remat['planned_overhead']:.2f}, measured "
-                  f"x{remat.get('measured_overhead', float('nan')):.2f}.", ""]
+                  f"x{remat.get('measured_overhead', float('nan')):.2f}; step time against the "
+                  f"user's step (TF's defaults) planned "
+                  f"x{remat.get('planned_step_vs_user', float('nan')):.2f}, measured "
+                  f"x{remat.get('overhead_vs_user', float('nan')):.2f}.", ""]
     placement = result.placement
     if placement and "measured_peak_bytes" in placement:
         lines += ["## Per device: planned vs measured peak", "",

@@ -79,9 +79,10 @@ def _groups(nodes: dict) -> list[_Group]:
         if len(found) != 1 or found[0][1] != 0:
             return None
         reader = nodes[found[0][0]]
-        same = reader.device == nodes[name].device and \
-            reader.attr["T"] == nodes[name].attr["T"]
-        return reader.name if reader.op in op_types and same else None
+        if reader.op not in op_types or reader.device != nodes[name].device:
+            return None
+        # (Both op types have a ``T``: reading a missing key of a NodeDef's map would add it.)
+        return reader.name if reader.attr["T"] == nodes[name].attr["T"] else None
 
     groups = []
     for node in nodes.values():

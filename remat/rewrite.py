@@ -342,7 +342,9 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
 
     Returns:
         A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
-        ``config["remat"]`` records the number of clones and control edges added.
+        ``config["remat"]`` records the number of clones and control edges added, and
+        ``pinned_from``: the position in ``plan.events`` from which ``"tail"`` chains every
+        event (``remat.step_time`` predicts the step's time from it).
 
     Raises:
         RematRewriteError: the plan recomputes an unsafe op (stateful, random, variable,
@@ -366,6 +368,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     previous = None                      # node of the plan's previous compute / recompute
     backward_start = _backward_start(item, cost_graph, plan)
     pinning = False                      # "tail": from the backward pass on
+    pinned_from = len(plan.events)       # position of the first pinned event
     control_edges = 0
     anchors: dict[str, list[str]] = {}  # pinned node -> the nodes it must run after
     events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, ran beside
@@ -415,7 +418,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             origin[node.name] = op_name
             clones.append(node)
             version[op_name] = node.name
-        pinning = pinning or event.kind == RECOMPUTE or op_name == backward_start
+        if not pinning and (event.kind == RECOMPUTE or op_name == backward_start):
+            pinning, pinned_from = True, position
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
@@ -443,5 +447,6 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
                         "remat": {"clones": len(clones), "control_edges": control_edges,
                                   "unfused_pairs": unfused,
                                   "remapper_groups_freed": fusions["freed"],
+                                  "pinned_from": pinned_from if pin_order == "tail" else None,
                                   "method": plan.method}}
     return rewritten

@@ -17,8 +17,10 @@ dominate the peak, so a plan at 0.5 exists):
   dependency optimizer off cost) and, for Keras, the traced graph imported back
   (``tf_function.to_callable``), the path a rewritten step takes.
 - **At ``RATIO`` of the measured peak** (``optimize(..., remat_heuristic="offline")``):
-  planned overhead, measured overhead against the user's step (side by side, as above),
-  measured peak over the plan, loss and gradients equal.
+  planned overhead (recomputation only), planned step time against the user's
+  (``remat.step_time``: recomputation and the chained backward pass), measured step time
+  against the user's step (side by side, as above), measured peak over the plan, loss and
+  gradients equal.
 - **Grappler's switches** on a rewritten step (``SWITCH_MODELS``): from the project's
   configuration, each optimizer flipped alone (on ones off, off ones on): peak replayed from a
   traced step over the plan and over the project configuration's, and step time (side by
@@ -237,7 +239,8 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
     report = result.report()["remat"]
     row = {key: report.get(key) for key in (
         "budget_bytes", "baseline_peak_bytes", "planned_peak_bytes", "measured_peak_bytes",
-        "planned_overhead", "measured_overhead", "overhead_vs_user", "num_recomputes",
+        "planned_overhead", "planned_step_vs_user", "planned_step_time",
+        "measured_overhead", "overhead_vs_user", "num_recomputes",
         "gradients_match", "loss_match", "weights_match")}
     row["peak_vs_plan"] = report["measured_peak_bytes"] / report["planned_peak_bytes"]
     row["side_by_side_events"] = result.plan.stats.get("side_by_side_events")
@@ -253,6 +256,8 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
         summary = ratio_summary(paired_step_times(steps, rounds), "user")
     row["paired_vs_user"] = _round(summary["optimized"])
     row["paired_overhead_error"] = summary["optimized"]["median"] / row["planned_overhead"] - 1
+    row["paired_step_prediction_error"] = (summary["optimized"]["median"] /
+                                           row["planned_step_vs_user"] - 1)
     return row, rewritten
 
 
@@ -320,17 +325,20 @@ def _plot(rows: list[dict], path: str) -> None:
     x = np.arange(len(names))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     no_budget = [r["vs_user"]["no_budget"] for r in rows]
-    left.bar(x - 0.3, [s["median"] for s in no_budget], 0.2, label="no budget",
+    width = 0.16
+    left.bar(x - 2 * width, [s["median"] for s in no_budget], width, label="no budget",
              yerr=[[s["median"] - s["q1"] for s in no_budget],
                    [s["q3"] - s["median"] for s in no_budget]])
-    left.bar(x - 0.1, [r.get("remat", {}).get("planned_overhead", np.nan) for r in rows], 0.2,
-             label=f"planned at {RATIO}")
+    left.bar(x - width, [r.get("remat", {}).get("planned_overhead", np.nan) for r in rows],
+             width, label=f"recompute overhead planned at {RATIO}")
+    left.bar(x, [r.get("remat", {}).get("planned_step_vs_user", np.nan) for r in rows], width,
+             label=f"step time planned at {RATIO}")
     measured = [r.get("remat", {}).get("paired_vs_user") for r in rows]
-    left.bar(x + 0.1, [m["median"] if m else np.nan for m in measured], 0.2,
+    left.bar(x + width, [m["median"] if m else np.nan for m in measured], width,
              label=f"measured at {RATIO}",
              yerr=[[m["median"] - m["q1"] if m else 0 for m in measured],
                    [m["q3"] - m["median"] if m else 0 for m in measured]])
-    left.bar(x + 0.3, [r["vs_user"]["HEURISTICS"]["median"] for r in rows], 0.2,
+    left.bar(x + 2 * width, [r["vs_user"]["HEURISTICS"]["median"] for r in rows], width,
              label="Grappler HEURISTICS")
     left.set_ylabel("step time / user's step (TF defaults)")
     right.bar(x - 0.2, [r.get("remat", {}).get("measured_peak_bytes", np.nan)
@@ -363,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         measured = remat.get("paired_vs_user", {})
         print(f"{r['model']:34s} user {r['user_step_ms']:8.1f} ms  no budget {nb['median']:.3f}"
               f" [{nb['q1']:.3f}, {nb['q3']:.3f}]  planned {remat.get('planned_overhead', np.nan):.2f}"
-              f"  measured {measured.get('median', np.nan):.2f}  peak/plan "
+              f" / step {remat.get('planned_step_vs_user', np.nan):.2f}  measured {measured.get('median', np.nan):.2f}  peak/plan "
               f"{remat.get('peak_vs_plan', np.nan):.3f}  HEURISTICS peak "
               f"{r['tf_memory_optimizer']['HEURISTICS']['peak_vs_user']:.2f}"
               + (f"  {r['remat_error'][:80]}" if "remat_error" in r else ""))

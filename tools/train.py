@@ -248,8 +248,10 @@ def _print_report(result) -> None:
             f"planned {remat['planned_peak_bytes'] / 2**20:.1f} MiB, measured "
             f"{remat['measured_peak_bytes'] / 2**20:.1f} MiB (baseline "
             f"{remat['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
-            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x "
-            f"({remat['overhead_vs_user']:.2f}x the step under TF's defaults); "
+            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x; "
+            f"step time against the step under TF's defaults planned "
+            f"{remat.get('planned_step_vs_user', float('nan')):.2f}x, measured "
+            f"{remat.get('overhead_vs_user', float('nan')):.2f}x; "
             f"{remat['num_recomputes']} recomputations; loss/gradients match: "
             f"{remat['loss_match'] and remat['gradients_match']}")
     placement = result.placement

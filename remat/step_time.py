@@ -1,0 +1,117 @@
+"""Predict the wall time of a rematerialized step, from traces of the step before the rewrite.
+
+A plan's ``overhead`` counts recomputation only: compute with recomputes over compute without,
+at the profiled op times (what DTR's paper reports). On a CPU that is not what the user sees.
+TF runs independent ops side by side on its inter-op threads (on this 2-core machine the op
+times of the zoo's resnet preset sum to 1.7-1.8x its step's wall time), and ``remat.rewrite``
+chains the backward pass in plan order from ``pinned_from`` on (its ``"tail"`` pinning), so
+those ops run one at a time. The rewritten step then costs::
+
+    forward + gap * sum(serial time of each pinned event's op, recomputes included)
+
+- ``forward``: when the chain can start in the original step as the user runs it (ops side
+  by side): the start of the first pinned event's op, or the end of the event before it if
+  that is later. The rewrite leaves everything before it unpinned.
+- the serial time of an op: its duration with ops run one at a time
+  (``profiler.session.serial_config``), each with the whole intra-op pool, as in the chain.
+  Ops that Grappler's remapper ran inside their reader cost 0 (their reader's node carries the
+  time; ``remat.remapper_fusions`` keeps clones fused the same way).
+- ``gap``: the serial step's wall time over the sum of its op times (the executor's time
+  between ops).
+
+The prediction is compared with the measured step by ``baechi.pipeline`` (``verify``) and
+``tools.bench_grappler``: planned = measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.cost_graph import CostGraph
+from graphfit.profiler.op_intervals import op_intervals
+from graphfit.profiler.session import serial_config, step_config, user_config
+from graphfit.remat.plan import FREE, RematPlan
+
+__all__ = ["StepTimePrediction", "predict_step_time", "predict_rewrite_time"]
+
+Intervals = list[dict[str, tuple[float, float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimePrediction:
+    """A predicted step time (µs) and its parts (module docstring)."""
+
+    user_step_us: float
+    predicted_step_us: float
+    forward_us: float
+    pinned_serial_us: float
+    serial_gap: float
+
+    @property
+    def vs_user(self) -> float:
+        """Predicted step time over the user's."""
+        return self.predicted_step_us / self.user_step_us
+
+    def report(self) -> dict[str, float]:
+        """JSON-ready fields, ``vs_user`` included."""
+        return {**dataclasses.asdict(self), "vs_user": self.vs_user}
+
+
+def _wall(step: dict[str, tuple[float, float]]) -> float:
+    return max(end for _, end in step.values())
+
+
+def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int,
+                      concurrent: Intervals, serial: Intervals,
+                      user: Intervals | None = None) -> StepTimePrediction:
+    """The rewritten step's time (module docstring).
+
+    Parameters:
+        op_names: the names of the ops ``plan``'s events index (its cost graph's ``names``).
+        plan: the plan the rewrite lowered; ``pinned_from``: the position of its first
+            chained event (``config["remat"]["pinned_from"]`` of the rewritten step).
+        concurrent, serial: op intervals (``profiler.op_intervals``) of the step that was
+            planned, run as usual and one op at a time.
+        user: intervals of the user's own step, if it is another graph (default
+            ``concurrent``).
+    """
+    if not concurrent or not serial:
+        raise ValueError("need at least one traced step of each kind")
+    names = [op_names[e.index] if e.kind != FREE else None for e in plan.events]
+    serial_us = {name: statistics.median(step[name][1] - step[name][0]
+                                         for step in serial if name in step)
+                 for name in set().union(*serial)}
+    gap = statistics.median(_wall(step) / max(sum(e - s for s, e in step.values()), 1e-9)
+                            for step in serial)
+    pinned = [name for name in names[pinned_from:] if name is not None]
+    before = next((name for name in reversed(names[:pinned_from]) if name), None)
+
+    def chain_start(step: dict) -> float:
+        first = next((step[name][0] for name in pinned if name in step), _wall(step))
+        return max(first, step[before][1] if before in step else 0.0)
+
+    forward = statistics.median(chain_start(step) for step in concurrent)
+    pinned_us = sum(serial_us.get(name, 0.0) for name in pinned)
+    return StepTimePrediction(
+        user_step_us=statistics.median(_wall(step) for step in (user or concurrent)),
+        predicted_step_us=forward + gap * pinned_us, forward_us=forward,
+        pinned_serial_us=pinned_us, serial_gap=gap)
+
+
+def predict_rewrite_time(original: GraphItem, item: GraphItem, cost_graph: CostGraph,
+                         plan: RematPlan, pinned_from: int, steps: int = 3
+                         ) -> StepTimePrediction:
+    """Trace ``item`` (the step ``plan`` was made for: ``original`` after the graph passes)
+    as it runs and one op at a time, and ``original`` as the user runs it (TF's defaults);
+    predict the rewritten step's time against the user's."""
+    from graphfit.remat.tf_memory import step_item
+
+    config = step_config(item)
+    concurrent = op_intervals(step_item(item), config, steps)
+    serial = op_intervals(step_item(item), serial_config(config), steps)
+    user = (None if original is item else
+            op_intervals(step_item(original), user_config(), steps))
+    return predict_step_time(cost_graph.names, plan, pinned_from, concurrent, serial, user)
