@@ -17,7 +17,7 @@ those ops run one at a time. The rewritten step then costs::
   Ops that Grappler's remapper ran inside their reader cost 0 (their reader's node carries the
   time; ``remat.remapper_fusions`` keeps clones fused the same way).
 - ``gap``: the serial step's wall time over the sum of its op times (the executor's time
-  between ops).
+  between ops, and tracing's: every time is of untraced steps, ``profiler.op_intervals``).
 
 The prediction is compared with the measured step by ``baechi.pipeline`` (``verify``) and
 ``tools.bench_grappler``: planned = measured.
@@ -31,18 +31,16 @@ from collections.abc import Sequence
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
-from graphfit.profiler.op_intervals import op_intervals
+from graphfit.profiler.op_intervals import StepIntervals, op_intervals
 from graphfit.profiler.session import serial_config, step_config, user_config
 from graphfit.remat.plan import FREE, RematPlan
 
 __all__ = ["StepTimePrediction", "predict_step_time", "predict_rewrite_time"]
 
-Intervals = list[dict[str, tuple[float, float]]]
-
 
 @dataclasses.dataclass(frozen=True)
 class StepTimePrediction:
-    """A predicted step time (µs) and its parts (module docstring)."""
+    """A predicted step time (µs, untraced) and its parts (module docstring)."""
 
     user_step_us: float
     predicted_step_us: float
@@ -65,8 +63,8 @@ def _wall(step: dict[str, tuple[float, float]]) -> float:
 
 
 def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int,
-                      concurrent: Intervals, serial: Intervals,
-                      user: Intervals | None = None) -> StepTimePrediction:
+                      concurrent: StepIntervals, serial: StepIntervals,
+                      user: StepIntervals | None = None) -> StepTimePrediction:
     """The rewritten step's time (module docstring).
 
     Parameters:
@@ -77,15 +75,19 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
             planned, run as usual and one op at a time.
         user: intervals of the user's own step, if it is another graph (default
             ``concurrent``).
+
+    Times are of untraced steps: the traced forward part is scaled by the untraced / traced
+    wall time of its run, and ``gap`` is the untraced serial step over the traced op times.
     """
-    if not concurrent or not serial:
-        raise ValueError("need at least one traced step of each kind")
+    if not (concurrent.traced and serial.traced and concurrent.untraced_wall_us
+            and serial.untraced_wall_us):
+        raise ValueError("need at least one traced and one untraced step of each kind")
     names = [op_names[e.index] if e.kind != FREE else None for e in plan.events]
     serial_us = {name: statistics.median(step[name][1] - step[name][0]
-                                         for step in serial if name in step)
-                 for name in set().union(*serial)}
-    gap = statistics.median(_wall(step) / max(sum(e - s for s, e in step.values()), 1e-9)
-                            for step in serial)
+                                         for step in serial.traced if name in step)
+                 for name in set().union(*serial.traced)}
+    gap = statistics.median(serial.untraced_wall_us) / max(
+        statistics.median(sum(e - s for s, e in step.values()) for step in serial.traced), 1e-9)
     pinned = [name for name in names[pinned_from:] if name is not None]
     before = next((name for name in reversed(names[:pinned_from]) if name), None)
 
@@ -93,10 +95,12 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
         first = next((step[name][0] for name in pinned if name in step), _wall(step))
         return max(first, step[before][1] if before in step else 0.0)
 
-    forward = statistics.median(chain_start(step) for step in concurrent)
+    untraced = statistics.median(concurrent.untraced_wall_us)
+    forward = statistics.median(chain_start(step) for step in concurrent.traced) * untraced / \
+        statistics.median(_wall(step) for step in concurrent.traced)
     pinned_us = sum(serial_us.get(name, 0.0) for name in pinned)
     return StepTimePrediction(
-        user_step_us=statistics.median(_wall(step) for step in (user or concurrent)),
+        user_step_us=statistics.median((user or concurrent).untraced_wall_us),
         predicted_step_us=forward + gap * pinned_us, forward_us=forward,
         pinned_serial_us=pinned_us, serial_gap=gap)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from graphfit import models
-from graphfit.profiler.op_intervals import op_intervals
+from graphfit.profiler.op_intervals import StepIntervals, op_intervals
 from graphfit.profiler.session import serial_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
 from graphfit.remat.step_time import predict_step_time
@@ -22,23 +22,26 @@ def test_forward_as_measured_then_the_chain_at_serial_times():
     # a, b run side by side; the chain starts at c, recomputes a, ends with d.
     plan = _plan([(COMPUTE, 0), (COMPUTE, 1), (COMPUTE, 2), (FREE, 0), (RECOMPUTE, 0),
                   (COMPUTE, 3)])
-    concurrent = [{"a": (0, 10), "b": (0, 12), "c": (12, 20), "d": (20, 30)}]
+    # Traced steps take 1.5x the untraced ones.
+    concurrent = StepIntervals([{"a": (0, 10), "b": (0, 12), "c": (12, 20), "d": (20, 30)}],
+                               [20.0])
     # One at a time: 8 µs each, 2 µs of executor time after each op.
-    serial = [{"a": (0, 8), "b": (10, 18), "c": (20, 28), "d": (30, 38)}]
+    serial = StepIntervals([{"a": (0, 8), "b": (10, 18), "c": (20, 28), "d": (30, 38)}],
+                           [38 / 1.5])
     prediction = predict_step_time(names, plan, 2, concurrent, serial)
-    assert prediction.forward_us == 12            # c starts when b, the event before, ends
+    assert prediction.forward_us == pytest.approx(12 / 1.5)  # c starts when b ends
     assert prediction.pinned_serial_us == 24      # c, a again, d
-    assert prediction.serial_gap == pytest.approx(38 / 32)
-    assert prediction.predicted_step_us == pytest.approx(12 + 24 * 38 / 32)
-    assert prediction.vs_user == pytest.approx(prediction.predicted_step_us / 30)
+    assert prediction.serial_gap == pytest.approx(38 / 1.5 / 32)
+    assert prediction.predicted_step_us == pytest.approx((12 + 24 * 38 / 32) / 1.5)
+    assert prediction.vs_user == pytest.approx(prediction.predicted_step_us / 20)
 
 
 def test_ops_fused_into_their_reader_cost_nothing_and_another_user_step_is_the_reference():
     names = ["matmul", "relu", "grad"]
     plan = _plan([(COMPUTE, 0), (COMPUTE, 1), (COMPUTE, 2), (RECOMPUTE, 0), (RECOMPUTE, 1)])
-    concurrent = [{"relu": (0, 5), "grad": (5, 9)}]       # matmul ran inside relu's node
-    serial = [{"relu": (0, 5), "grad": (5, 9)}]
-    user = [{"x": (0, 4), "y": (4, 20)}]
+    concurrent = StepIntervals([{"relu": (0, 5), "grad": (5, 9)}], [9.0])  # matmul in relu
+    serial = StepIntervals([{"relu": (0, 5), "grad": (5, 9)}], [9.0])
+    user = StepIntervals([{"x": (0, 4), "y": (4, 20)}], [20.0])
     prediction = predict_step_time(names, plan, 2, concurrent, serial, user)
     assert prediction.pinned_serial_us == 4 + 5
     assert prediction.user_step_us == 20
@@ -56,5 +59,7 @@ def test_the_serial_configuration_runs_one_op_at_a_time():
         return sum(end - start for start, end in step.values()) / max(
             end for _, end in step.values())
 
-    assert max(overlap(step) for step in serial) <= 1.0
-    assert min(overlap(step) for step in default) > max(overlap(step) for step in serial)
+    assert max(overlap(step) for step in serial.traced) <= 1.0
+    assert min(overlap(step) for step in default.traced) > max(
+        overlap(step) for step in serial.traced)
+    assert len(default.untraced_wall_us) == 2 and min(default.untraced_wall_us) > 0
