@@ -132,13 +132,15 @@ def keep_remapper_fusions(graph_def: tf.compat.v1.GraphDef) -> dict:
 
     def helper(name: str, source: str, member: str) -> str:
         # An Identity named ``name`` (made once) of ``source``, an input or the output of
-        # ``member``, so of ``member``'s type ``T``, on ``member``'s device.
+        # ``member``, so of ``member``'s type ``T``; on ``member``'s device and colocated with
+        # it (a placer that put it elsewhere would copy the tensor across).
         if name not in new_nodes:
             if name in nodes:
                 raise GraphDefPassError(f"cannot add {name!r}: the graph has that node")
             node = tf.compat.v1.NodeDef(name=name, op="Identity", device=nodes[member].device)
             node.input.append(source)
             node.attr["T"].CopyFrom(nodes[member].attr["T"])
+            node.attr["_class"].list.s.append(f"loc:@{member}".encode())
             new_nodes[name] = node
         return name
 

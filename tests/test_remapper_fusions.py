@@ -127,3 +127,13 @@ def test_the_rewritten_mlp_runs_its_clones_fused_like_the_users_step():
     assert rewritten.config["remat"]["remapper_groups_freed"] >= 1
     assert clones["_FusedMatMul"] == user["_FusedMatMul"] + 1
     assert clones["BiasAdd"] == user["BiasAdd"] and clones["Relu"] == user["Relu"]
+
+
+def test_gates_and_ends_stay_with_their_group():
+    """A placer that put a gate or a group's end on another device would copy the tensor it
+    views across: both are colocated with their member."""
+    graph_def = _dense(conv=False)
+    keep_remapper_fusions(graph_def)
+    nodes = {n.name: n for n in graph_def.node}
+    assert list(nodes["c/fusion_gate"].attr["_class"].list.s) == [b"loc:@c"]
+    assert list(nodes["r/fusion_done"].attr["_class"].list.s) == [b"loc:@r"]
