@@ -106,7 +106,7 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
 
 
 def predict_rewrite_time(original: GraphItem, item: GraphItem, cost_graph: CostGraph,
-                         plan: RematPlan, pinned_from: int, steps: int = 3
+                         plan: RematPlan, pinned_from: int, steps: int = 4
                          ) -> StepTimePrediction:
     """Trace ``item`` (the step ``plan`` was made for: ``original`` after the graph passes)
     as it runs and one op at a time, and ``original`` as the user runs it (TF's defaults);
