@@ -104,7 +104,9 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
     Parameters:
         item: the training step (not modified).
         op_devices: op name -> device name (e.g. ``Placement.op_devices()``); must cover every
-            op of the step and may name ops outside it.
+            op of the step, except ops TF colocates with a placed op (``_class``: such an op
+            goes with its group, e.g. the gates of ``remat.remapper_fusions``, which a plan's
+            cost graph does not list), and may name ops outside it.
         default_device: device of ops outside the step that are in no placed colocation group
             (the initialiser's ``NoOp``); default: the smallest device name of the placement.
 
@@ -123,11 +125,14 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
     if unknown:
         raise PlacementError(f"{len(unknown)} placed op(s) are not in graph {item.name!r}, "
                              f"e.g. {unknown[:3]}: the placement was made for another graph")
+    groups = enforced_colocation_groups(graph)
+    group_device = _group_devices(op_devices, groups)
     missing = [op.name for op in step_operations(graph, step_fetches(item))
-               if op.name not in op_devices]
+               if op.name not in op_devices and groups[op.name] not in group_device]
     if missing:
         raise PlacementError(f"{len(missing)} op(s) of the step have no device, e.g. "
-                             f"{missing[:3]}: a placement must cover every op of the step")
+                             f"{missing[:3]}: a placement must cover every op of the step "
+                             "(or a placed op TF colocates it with)")
     if not op_devices:
         raise PlacementError("the placement is empty")
     for device in set(op_devices.values()):
@@ -135,9 +140,6 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
     if default_device is None:
         default_device = min(op_devices.values())
     _check_device_name(default_device)
-
-    groups = enforced_colocation_groups(graph)
-    group_device = _group_devices(op_devices, groups)
     graph_def = graph.as_graph_def()
     for node in graph_def.node:
         node.device = op_devices.get(node.name) or group_device.get(groups[node.name],

@@ -141,6 +141,22 @@ def test_incomplete_or_foreign_placement_is_refused():
         apply_placement(item, {**op_devices, "loss": "CPU one"})
 
 
+def test_an_unplaced_op_goes_with_its_colocation_group():
+    """An op of the step the placement does not name, but which TF colocates with a placed op
+    (a variable's update, with the variable), goes to that op's device; one without such a
+    group is still refused."""
+    item = models.build("mlp", preset="tiny", optimizer="momentum")
+    op_devices = _by_layer(item, ["/device:CPU:0", "/device:CPU:1"])
+    update = next(op.name for op in item.graph.get_operations()
+                  if op.type in ("ResourceApplyKerasMomentum", "ResourceApplyMomentum"))
+    device = op_devices.pop(update)
+    placed = apply_placement(item, op_devices)
+    assert placed.graph.get_operation_by_name(update).device.endswith(device[-5:])
+    del op_devices["loss"]
+    with pytest.raises(PlacementError, match="have no device"):
+        apply_placement(item, op_devices)
+
+
 def test_outside_step_ops_follow_their_variable():
     item = models.build("mlp", preset="tiny")
     op_devices = _by_layer(item, ["/device:CPU:0", "/device:CPU:1"])
