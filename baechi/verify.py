@@ -8,7 +8,9 @@ graph alone, the invariants every pass must keep, independently of the pass's ow
   fetched, fed and initialising names resolve.
 - ``verify_rewrite``: a rematerialization kept every original node (name and op type), added
   only clones ``n/remat_k`` of an original ``n`` with the same op and attributes, never of a
-  stateful, random or variable op, and the plan's predicted peak is within its budget.
+  stateful, random or variable op (and the ``Identity`` gates and group ends of
+  ``remat.remapper_fusions``, each colocated with its node), and the plan's predicted peak is
+  within its budget.
 - ``verify_placement``: a placement changed devices only (same nodes, ops and inputs), put
   every op of the step on a device of the set, kept each group TensorFlow colocates on one
   device, and each device's planned peak within its limit.
@@ -36,6 +38,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.trace import step_fetches
 from graphfit.remat.plan import RematPlan
+from graphfit.remat.remapper_fusions import DONE_SUFFIX, GATE_SUFFIX
 
 __all__ = ["VerificationError", "verify_placement", "verify_rewrite", "verify_step"]
 
@@ -95,6 +98,19 @@ def _is_stateful(op_type: str) -> bool:
     return op_def is None or op_def.is_stateful or op_type in _NEVER_CLONED
 
 
+def _is_fusion_helper(name: str, nodes: dict) -> bool:
+    """Whether ``name`` is a gate or group end ``remat.remapper_fusions`` adds: an
+    ``Identity`` of one data input, named after and colocated with a node of the step."""
+    for suffix in (GATE_SUFFIX, DONE_SUFFIX):
+        member = name[:-len(suffix)] if name.endswith(suffix) else None
+        if member in nodes:
+            node = nodes[name]
+            data = [i for i in node.input if not i.startswith("^")]
+            return (node.op == "Identity" and len(data) == 1 and
+                    list(node.attr["_class"].list.s) == [f"loc:@{member}".encode()])
+    return False
+
+
 def verify_rewrite(original: GraphItem, rewritten: GraphItem,
                    plan: RematPlan | None = None) -> None:
     """Check a rematerialization rewrite (see the module docstring).
@@ -114,6 +130,8 @@ def verify_rewrite(original: GraphItem, rewritten: GraphItem,
     if lost:
         raise VerificationError(f"the rewrite removed or changed original nodes {lost[:5]}")
     for name in sorted(after.keys() - before.keys()):
+        if _is_fusion_helper(name, after):
+            continue
         match = _CLONE.match(name)
         source = before.get(match.group("original")) if match else None
         if source is None:

@@ -39,7 +39,8 @@ import tensorflow as tf
 
 from graphfit.remat.graph_def_walk import GraphDefPassError, split_input, topological_order
 
-__all__ = ["CONTRACTION_OP_TYPES", "ACTIVATION_OP_TYPES", "keep_remapper_fusions"]
+__all__ = ["CONTRACTION_OP_TYPES", "ACTIVATION_OP_TYPES", "GATE_SUFFIX", "DONE_SUFFIX",
+           "keep_remapper_fusions"]
 
 CONTRACTION_OP_TYPES = frozenset({"MatMul", "Conv2D", "DepthwiseConv2dNative"})
 # Activations the remapper fuses after a contraction and its BiasAdd (CPU, TF 2.21).

@@ -89,6 +89,19 @@ def test_unknown_new_node_and_lost_node_are_refused(item, rewritten):
         verify_rewrite(new, item)
 
 
+def test_a_fusion_gate_must_be_an_identity_colocated_with_its_node(item, rewritten):
+    new, _ = rewritten
+    gate = "layer_0/MatMul/remat_1/fusion_gate"
+    assert new.graph.get_operation_by_name(gate).type == "Identity"
+
+    def move_gate(graph_def):
+        node = next(n for n in graph_def.node if n.name == gate)
+        del node.attr["_class"]
+
+    with pytest.raises(VerificationError, match=f"added '{gate}', which is no clone"):
+        verify_rewrite(item, _with_graph_def(new, move_gate))
+
+
 def test_cycle_is_found(item):
     copy = _with_graph_def(item, lambda graph_def: None)  # TF's importer refuses cycles
     matmul = copy.graph.get_operation_by_name("layer_0/MatMul")
