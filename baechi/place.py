@@ -29,7 +29,7 @@ from graphfit.baechi.m_etf import m_etf
 from graphfit.baechi.m_sct import m_sct
 from graphfit.baechi.m_topo import m_topo
 from graphfit.baechi.memory import check_memory_model
-from graphfit.baechi.schedule import PlacementError, Schedule, simulate
+from graphfit.baechi.schedule import PlacementError, RuntimeCosts, Schedule, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.errors import check_number
 from graphfit.profiler.cost_graph import CostGraph
@@ -80,6 +80,16 @@ class Placement:
         return simulate(self.schedule.units, self.devices.with_link_model(link_model),
                         self.device_index, self.schedule.order, self.schedule.memory_model,
                         **self.schedule.replay_options())
+
+    def predict(self, runtime: RuntimeCosts, link_model: str | None = None) -> Schedule:
+        """The placed step (same devices, order and send gates) with a run target's measured
+        costs (``baechi.calibrate``): what a real step should take. The repair step's waits
+        for memory are left out: they are times of the plan without those costs."""
+        devices = self.devices if link_model is None else self.devices.with_link_model(
+            link_model)
+        options = {**self.schedule.replay_options(), "not_before": None}
+        return simulate(self.schedule.units, devices, self.device_index, self.schedule.order,
+                        self.schedule.memory_model, runtime=runtime, **options)
 
     def transfers(self) -> list[dict]:
         """Every simulated transfer by name: the tensor (``producer:port``, or
