@@ -13,6 +13,10 @@ medians):
 - ``chain(n)``: the same plus a chain of ``n`` dependent scalar ``Atan2`` ops on the first
   device, for two lengths: the slope per op, less the chain ops' median traced time (one traced
   run), is ``op_us``;
+- ``hops(n)``: the ``step`` graph plus a chain of ``n`` scalar ``Atan2`` ops alternating
+  between the first two devices: its time less ``step`` and ``n`` ops, over ``n - 1``
+  transfers, is ``transfer_us`` (on virtual CPU devices, whose tensors are passed zero-copy,
+  the cost of the rendezvous; on a cluster, a round of gRPC);
 - ``matmuls(k)``: a chain of ``n x n`` matrix products on ``k`` devices (1 and all):
   ``cores`` is ``k x (t1 - step) / (tk - step)``, rounded and clipped to [1, devices], the
   number of such chains that ran at once. It depends on the op size (TF's intra-op threads
@@ -37,7 +41,8 @@ _CHAIN = "chain"
 
 
 def _graph(devices: tuple[str, ...], chain_ops: int = 0, matmul_devices: int = 0,
-           matmuls: int = 0, matmul_size: int = 0) -> tuple[tf.Graph, list, tf.Operation]:
+           matmuls: int = 0, matmul_size: int = 0, hops: int = 0
+           ) -> tuple[tf.Graph, list, tf.Operation]:
     """(graph, fetches, init op) of one calibration graph; its chain ops are named
     ``_CHAIN``."""
     graph = tf.Graph()
@@ -58,6 +63,12 @@ def _graph(devices: tuple[str, ...], chain_ops: int = 0, matmul_devices: int = 0
                         z = tf.matmul(z, w)
                     x = x + tf.reduce_sum(z)
                 fetches.append(tf.identity(x))
+        x = fetches[0]
+        for k in range(hops):
+            with tf.device(devices[k % 2]):
+                x = tf.math.atan2(x, 0.5)
+        if hops:
+            fetches.append(x)
         init = tf.compat.v1.global_variables_initializer()
     return graph, fetches, init
 
@@ -74,7 +85,7 @@ def _traced_median_us(session, fetches, name: str) -> float:
 
 
 def calibrate_runtime(run_target: RunTarget, repeats: int = 30, chain_ops: tuple[int, int] =
-                      (16, 400), matmuls: int = 16, matmul_size: int = 128
+                      (16, 400), matmuls: int = 16, matmul_size: int = 128, hops: int = 64
                       ) -> tuple[RuntimeCosts, dict]:
     """Measure ``run_target``'s ``RuntimeCosts`` (module docstring).
 
@@ -83,6 +94,8 @@ def calibrate_runtime(run_target: RunTarget, repeats: int = 30, chain_ops: tuple
         repeats: timed runs of each graph (after 3 warm-up runs), interleaved.
         chain_ops: the two chain lengths for the per-op cost.
         matmuls, matmul_size: the matrix-product chains for the parallelism.
+        hops: the length of the chain between two devices for the transfer cost (needs two
+            devices; with one, ``transfer_us`` is 0).
 
     Returns:
         (the costs, the raw medians in µs by graph, with the traced chain-op time).
@@ -95,6 +108,8 @@ def calibrate_runtime(run_target: RunTarget, repeats: int = 30, chain_ops: tuple
                                  matmul_size=matmul_size),
               f"matmuls{len(devices)}": _graph(devices, matmul_devices=len(devices),
                                                matmuls=matmuls, matmul_size=matmul_size)}
+    if len(devices) > 1:
+        graphs[f"hops{hops}"] = _graph(devices, hops=hops)
     sessions = {}
     times: dict[str, list[float]] = {name: [] for name in graphs}
     try:
@@ -121,7 +136,11 @@ def calibrate_runtime(run_target: RunTarget, repeats: int = 30, chain_ops: tuple
     one = median["matmuls1"] - step_us
     all_ = median[f"matmuls{len(devices)}"] - step_us
     parallel = len(devices) * one / all_ if all_ > 0 else float(len(devices))
+    hop_us = ((median[f"hops{hops}"] - step_us - hops * slope) / (hops - 1)
+              if len(devices) > 1 else 0.0)
     costs = RuntimeCosts(step_us=step_us, op_us=max(0.0, slope - traced_op_us),
-                         cores=int(min(len(devices), max(1, round(parallel)))))
+                         cores=int(min(len(devices), max(1, round(parallel)))),
+                         transfer_us=max(0.0, hop_us))
     return costs, {"median_us": median, "traced_chain_op_us": traced_op_us,
-                   "slope_us_per_op": slope, "chains_at_once": parallel}
+                   "slope_us_per_op": slope, "chains_at_once": parallel,
+                   "hop_us": hop_us}

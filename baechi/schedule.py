@@ -64,11 +64,14 @@ class RuntimeCosts:
         op_us: per-op dispatch cost beyond the op's traced time, added to every op.
         cores: how many ops run at once across all the devices (one machine's cores; virtual
             CPU devices and local gRPC workers share them).
+        transfer_us: the least a transfer between two devices costs (a scalar's hop); a link
+            whose fitted constant term is smaller takes this one instead.
     """
 
     step_us: float
     op_us: float
     cores: int
+    transfer_us: float = 0.0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -180,8 +183,9 @@ class ScheduleBuilder:
         not_before: replay given waits for memory (``Schedule.wait_us``): per unit, a time
             before which it does not start.
         runtime: ``RuntimeCosts`` of the target: every op costs ``op_us`` more, at most
-            ``cores`` units run at once across the devices, and the makespan includes
-            ``step_us`` (None: none of these, the placers' model).
+            ``cores`` units run at once across the devices, a transfer costs at least
+            ``transfer_us``, and the makespan includes ``step_us`` (None: none of these, the
+            placers' model).
 
     A placer repeatedly picks a ready unit and a device, asks ``shortfall_bytes`` (<= 0: fits)
     and ``data_ready_us`` (when its inputs would be there), and calls ``commit``, which returns
@@ -230,6 +234,9 @@ class ScheduleBuilder:
         # (held to the end) are never released on their producer's device.
         self._t_held = (units.tensor_persistent | units.tensor_fetched).tolist()
         self._a, self._b = devices.a_us_per_byte, devices.b_us
+        if runtime is not None and runtime.transfer_us:
+            self._b = [[max(b, runtime.transfer_us) if i != j else 0.0
+                        for j, b in enumerate(row)] for i, row in enumerate(self._b)]
         self.limit = devices.memory_bytes.tolist()
         group_persistent = np.bincount(units.group, weights=units.persistent_bytes,
                                        minlength=units.num_groups)

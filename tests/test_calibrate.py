@@ -16,15 +16,16 @@ from graphfit.profiler import synthetic
 def test_calibration_on_virtual_cpu_devices_measures_each_cost():
     target = local_target(2)
     costs, raw = calibrate_runtime(target, repeats=5, chain_ops=(8, 3000), matmuls=8,
-                                   matmul_size=64)
+                                   matmul_size=64, hops=200)
     median = raw["median_us"]
-    assert set(median) == {"step", "chain8", "chain3000", "matmuls1", "matmuls2"}
+    assert set(median) == {"step", "chain8", "chain3000", "matmuls1", "matmuls2", "hops200"}
     assert costs.step_us == median["step"] > 0
     # 2,992 more dependent ops take longer, and the per-op cost is what is left of the slope
     # after the ops' own traced time
     assert median["chain3000"] > median["chain8"]
     assert costs.op_us == pytest.approx(max(0.0, raw["slope_us_per_op"]
                                             - raw["traced_chain_op_us"]))
+    assert costs.transfer_us == max(0.0, raw["hop_us"])
     assert 1 <= costs.cores <= 2
     assert costs.cores == min(2, max(1, round(raw["chains_at_once"])))
 
