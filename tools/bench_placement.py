@@ -275,7 +275,7 @@ def _planned_vs_measured() -> tuple[list[dict], list[dict]]:
 
 
 def _plot(result: dict) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     quality = [r for r in result["quality"] if r["graph"].split("_")[0] in FAMILIES]
     for method in METHODS:
         for link_model, style in zip(LINK_MODELS, ("-", "--")):
@@ -316,6 +316,22 @@ def _plot(result: dict) -> None:
     axes[2].set(xlabel="step (ms)", xscale="log", title="planned vs measured (m-ETF)")
     axes[2].tick_params(axis="y", labelsize=7)
     axes[2].legend(fontsize=7)
+    tight = result.get("tight", [])
+    graphs = sorted({r["graph"] for r in tight}, key=[r["graph"] for r in tight].index)
+    placers = [(m, lm) for m in METHODS if m != "m_topo" for lm in LINK_MODELS]
+    width = 0.8 / len(placers)
+    for k, (method, link_model) in enumerate(placers):
+        values = [next((r.get("over_m_topo") or 0 for r in tight if r["graph"] == g
+                        and r["method"] == method and r["link_model"] == link_model), 0)
+                  for g in graphs]
+        axes[3].bar([i + k * width for i in range(len(graphs))], values, width,
+                    label=f"{method} {link_model}")
+    axes[3].axhline(1.0, color="black", linewidth=0.8)
+    axes[3].set_xticks([i + 0.4 for i in range(len(graphs))])
+    axes[3].set_xticklabels(graphs, rotation=30, ha="right", fontsize=7)
+    axes[3].set(ylabel="makespan / m-TOPO's at its tightest limit",
+                title=f"at {TIGHT_RATIO} x (sequential peak / {NUM_DEVICES}) (0: not placed)")
+    axes[3].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(PLOT_PATH, dpi=110)
     plt.close(fig)
