@@ -19,13 +19,21 @@ makespan) would not describe what runs: ``apply_placement`` refuses it with a
 ``VarIsInitializedOp``) take the device of their group; an op outside the step in no placed
 group goes to ``default_device``.
 
+A placement made by the repair step (``baechi.memory_first``) sends some tensors just in time:
+the send waits for an op on the sending device, its gate. TF sends a tensor as soon as it
+exists, so for each such send (``Placement.gated_reads()``) ``apply_placement`` adds an
+``Identity`` of the tensor on the sending device with a control edge from the gate and lets the
+send's readers read it: the tensor then leaves after the gate, as planned. A tensor the plan
+sends twice to one device (a transient copy, freed and received again) gets one ``Identity``
+per send, so TF receives it twice too. The repair step's waits for memory are not written.
+
 Reference: Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020
 (placements are written as TF device assignments).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
 import tensorflow as tf
@@ -97,8 +105,26 @@ def _group_devices(op_devices: Mapping[str, str], groups: dict[str, str]) -> dic
     return {g: next(iter(by_device)) for g, by_device in members.items()}
 
 
+def _gate_sends(graph_def, graph: tf.Graph, gated_reads: Sequence[Mapping]) -> None:
+    """Add one ``Identity`` per gated send to ``graph_def`` (module docstring)."""
+    nodes = {node.name: node for node in graph_def.node}
+    for k, read in enumerate(gated_reads):
+        tensor = graph.get_tensor_by_name(read["tensor"])
+        producer, port = read["tensor"].rsplit(":", 1)
+        source = producer if port == "0" else read["tensor"]
+        gate = graph_def.node.add(name=f"{producer}/gated_send_{k}", op="Identity",
+                                  device=read["src"], input=[source, "^" + read["after"]])
+        gate.attr["T"].type = tensor.dtype.as_datatype_enum
+        for reader in read["readers"]:
+            inputs = nodes[reader].input
+            for j, name in enumerate(inputs):
+                if name == source or name == read["tensor"]:
+                    inputs[j] = gate.name
+
+
 def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
-                    default_device: str | None = None) -> GraphItem:
+                    default_device: str | None = None,
+                    gated_reads: Sequence[Mapping] = ()) -> GraphItem:
     """A copy of ``item`` whose every op carries the device the placement chose.
 
     Parameters:
@@ -109,6 +135,8 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
             cost graph does not list), and may name ops outside it.
         default_device: device of ops outside the step that are in no placed colocation group
             (the initialiser's ``NoOp``); default: the smallest device name of the placement.
+        gated_reads: sends that wait for an op on their source device
+            (``Placement.gated_reads()``), written as ordering edges (module docstring).
 
     Returns:
         A ``GraphItem`` on a new ``tf.Graph`` with the same op names, fetches and feeds.
@@ -144,6 +172,7 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
     for node in graph_def.node:
         node.device = op_devices.get(node.name) or group_device.get(groups[node.name],
                                                                     default_device)
+    _gate_sends(graph_def, graph, gated_reads)
     placed = tf.Graph()
     with placed.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")

@@ -1,17 +1,30 @@
-"""The repair step of m-ETF and m-SCT under tight memory: list scheduling in sequential order.
+"""The repair step of m-ETF and m-SCT under tight memory: list scheduling in a memory-lean order.
 
 Earliest-task-first lets the ready set run far ahead of the topological order: on a wide graph
 it starts many branches at once, every branch's outputs wait for consumers that have not run,
 copies of them pile up on the devices that read them, and at a limit near (sequential peak /
 devices) the schedule deadlocks, with every device full and nothing releasable. When that
-happens m-ETF and m-SCT fall back to this scheduler, which keeps the order that defines the
-sequential peak (the units' topological order) and only chooses devices:
+happens m-ETF and m-SCT fall back to this scheduler, which fixes the order first and then only
+chooses devices.
+
+The order (``release_first_order``) is list scheduling on as many identical workers as there
+are devices, compute times only, where a free worker takes a ready unit that releases at least
+as many bytes as it allocates before any other (the last reader of its inputs: a join, a chain's
+next op), else the earliest unit of the topological order. A join then runs as soon as its
+inputs exist instead of after every sibling branch: on fork-join graphs (64 branches joined by
+a tree of adds) the topological order holds every branch's output at once, and at 1.1 x
+(sequential peak / 4) each device's slack was about one tensor, too little for a join's output
+plus a copy of an input; in this order the peak is about 0.6 of that limit. The workers keep
+that many units side by side, so the order is as parallel as the devices. If the order does not
+fit, the topological order (the one that defines the sequential peak) is tried.
+
+Devices, in that order:
 
 - the variables (colocation groups with persistent bytes) are spread over the devices first,
   since they are held all step;
-- units are committed in topological order, each on a device where it fits now; so the bytes
-  alive across all devices are those alive in the sequential step, plus copies, plus what the
-  devices running side by side have in flight;
+- each unit is committed on a device where it fits now; so the bytes alive across all devices
+  are those alive in the order run sequentially, plus copies, plus what the devices running side
+  by side have in flight;
 - among the devices where it fits, a unit goes where it starts earliest (its favourite
   parent's device first, under m-SCT), unless that would push the device into its last
   ``RESERVE_FRACTION`` of memory while another device stays below it; then the device with the
@@ -36,21 +49,24 @@ edges.
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.schedule import PlacementError, Schedule, ScheduleBuilder
 from graphfit.baechi.units import UnitGraph
 
-__all__ = ["RESERVE_FRACTION", "memory_first"]
+__all__ = ["RESERVE_FRACTION", "memory_first", "release_first_order"]
 
 RESERVE_FRACTION = 0.1
 
 
 def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
                  favourite_parent: np.ndarray | None = None, method: str = "m_etf") -> Schedule:
-    """Place units in topological order on the device where each fits and starts earliest,
-    keeping every device's resident bytes balanced (module docstring).
+    """Place units in a memory-lean order (``release_first_order``, else the topological
+    order) on the device where each fits and starts earliest, keeping every device's resident
+    bytes balanced (module docstring).
 
     Parameters:
         units: the unit graph.
@@ -60,12 +76,25 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
         method: name used in error messages.
 
     Returns:
-        The ``Schedule``; ``info["memory_first"]`` is True.
+        The ``Schedule``; ``info["memory_first"]`` is True, ``info["memory_first_order"]``
+        names the order that fitted (``"release_first"`` or ``"topological"``).
 
     Raises:
-        PlacementError: a unit fits on no device and no memory will be released (the message
-            names the unit, the device and the missing bytes).
+        PlacementError: a unit fits on no device and no memory will be released, in either
+            order (the message names the unit, the device and the missing bytes).
     """
+    try:
+        return _place_in_order(units, devices, memory_model, favourite_parent, method,
+                               release_first_order(units, len(devices)), "release_first")
+    except PlacementError:
+        return _place_in_order(units, devices, memory_model, favourite_parent, method,
+                               units.topological_order.tolist(), "topological")
+
+
+def _place_in_order(units: UnitGraph, devices: DeviceSet, memory_model: str,
+                    favourite_parent: np.ndarray | None, method: str, order: list[int],
+                    order_name: str) -> Schedule:
+    """``memory_first`` with the units committed in ``order``."""
     builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True,
                               late_sends=True)
     limit = builder.limit
@@ -74,7 +103,7 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
     _spread_variables(builder)
     fav = favourite_parent.tolist() if favourite_parent is not None else None
     all_devices = list(range(len(devices)))
-    for u in units.topological_order.tolist():
+    for u in order:
         pinned = builder.group_device[group[u]]
         choices = [pinned] if pinned != -1 else all_devices
         while True:
@@ -88,7 +117,7 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
                 raise PlacementError(
                     f"{method}: unit {units.unit_name(u)!r} misses {short} bytes on "
                     f"{devices.names[d]} (limit {limit[d]} bytes, {builder.level[d]} in use; "
-                    f"in use on every device: {builder.level}) even in sequential order. "
+                    f"in use on every device: {builder.level}) even in {order_name} order. "
                     "Raise the device memory by at least "
                     f"{short} bytes or rematerialize.")
             builder.advance(next_free)
@@ -103,7 +132,66 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
         else:
             d = min(fits)[1]  # the most room left after it
         builder.commit(u, d)
-    return builder.finish_schedule({"memory_first": True})
+    return builder.finish_schedule({"memory_first": True, "memory_first_order": order_name})
+
+
+def release_first_order(units: UnitGraph, num_workers: int) -> list[int]:
+    """A topological order of the units that runs memory-releasing units first (module
+    docstring): list scheduling on ``num_workers`` identical workers, compute times only; a
+    free worker takes the first ready unit (by ``topological_order``) whose outputs are no
+    larger than the inputs it is the last reader of, else the first ready unit. Returns the
+    units in order of their start."""
+    adj = units.adjacency_lists()
+    inputs, consumers = adj["inputs"], adj["consumers"]
+    t_bytes = units.tensor_bytes.tolist()
+    held = (units.tensor_persistent | units.tensor_fetched).tolist()
+    out_bytes = units.output_bytes.tolist()
+    compute = units.compute_us.tolist()
+    position = [0] * units.num_units
+    for k, u in enumerate(units.topological_order.tolist()):
+        position[u] = k
+    missing = np.bincount(units.edges[1], minlength=units.num_units).tolist()
+    succ = [[] for _ in range(units.num_units)]
+    for a, b in units.edges.T.tolist():
+        succ[a].append(b)
+    remaining = [len(c) for c in consumers]
+    done = [False] * units.num_units
+
+    def releases(u: int) -> bool:
+        freed = sum(t_bytes[t] for t in inputs[u] if remaining[t] == 1 and not held[t])
+        return out_bytes[u] <= freed
+
+    release, other = [], []
+    for u in range(units.num_units):
+        if missing[u] == 0:
+            heapq.heappush(release if releases(u) else other, (position[u], u))
+    order = []
+    running: list[tuple[float, int]] = []
+    now = 0.0
+    while len(order) < units.num_units:
+        while len(running) < num_workers and (release or other):
+            _, u = heapq.heappop(release or other)
+            if done[u]:
+                continue
+            done[u] = True
+            order.append(u)
+            heapq.heappush(running, (now + compute[u], u))
+            for t in inputs[u]:
+                remaining[t] -= 1
+                if remaining[t] == 1:
+                    c = next(c for c in consumers[t] if not done[c])
+                    if missing[c] == 0 and releases(c):
+                        heapq.heappush(release, (position[c], c))
+        now, u = heapq.heappop(running)
+        finished = [u]
+        while running and running[0][0] <= now:
+            finished.append(heapq.heappop(running)[1])
+        for u in finished:
+            for v in succ[u]:
+                missing[v] -= 1
+                if missing[v] == 0:
+                    heapq.heappush(release if releases(v) else other, (position[v], v))
+    return order
 
 
 def _spread_variables(builder: ScheduleBuilder) -> None:

@@ -29,7 +29,7 @@ from graphfit.baechi.m_etf import m_etf
 from graphfit.baechi.m_sct import m_sct
 from graphfit.baechi.m_topo import m_topo
 from graphfit.baechi.memory import check_memory_model
-from graphfit.baechi.schedule import PlacementError, Schedule, simulate
+from graphfit.baechi.schedule import PlacementError, RuntimeCosts, Schedule, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.errors import check_number
 from graphfit.profiler.cost_graph import CostGraph
@@ -81,6 +81,16 @@ class Placement:
                         self.device_index, self.schedule.order, self.schedule.memory_model,
                         **self.schedule.replay_options())
 
+    def predict(self, runtime: RuntimeCosts, link_model: str | None = None) -> Schedule:
+        """The placed step (same devices, order and send gates) with a run target's measured
+        costs (``baechi.calibrate``): what a real step should take. The repair step's waits
+        for memory are left out: they are times of the plan without those costs."""
+        devices = self.devices if link_model is None else self.devices.with_link_model(
+            link_model)
+        options = {**self.schedule.replay_options(), "not_before": None}
+        return simulate(self.schedule.units, devices, self.device_index, self.schedule.order,
+                        self.schedule.memory_model, runtime=runtime, **options)
+
     def transfers(self) -> list[dict]:
         """Every simulated transfer by name: the tensor (``producer:port``, or
         ``producer:control`` for a control edge), source and destination device, bytes, start
@@ -101,6 +111,37 @@ class Placement:
             if s.transfer_gate[k] >= 0:
                 rows[-1]["after"] = s.units.unit_name(int(s.transfer_gate[k]))
         return rows
+
+    def gated_reads(self) -> list[dict]:
+        """The gated sends (``transfers()`` with ``after``) with the ops each copy serves: per
+        gated transfer, ``tensor``, ``src``, ``dst``, ``after`` and ``readers``, the ops on
+        ``dst`` that start while it is the newest copy of the tensor there (a tensor may be
+        sent to one device more than once, ``Schedule.transient_copies``). What
+        ``baechi.apply.apply_placement`` turns into ordering edges."""
+        s, g = self.schedule, self.graph
+        units = s.units
+        if not (s.transfer_gate >= 0).any():
+            return []
+        consumers = units.adjacency_lists()["consumers"]
+        by_copy: dict[tuple[int, int], list[int]] = {}
+        for k in np.argsort(s.transfer_start_us, kind="stable").tolist():
+            by_copy.setdefault((int(s.transfer_tensor[k]), int(s.transfer_dst[k])), []).append(k)
+        rows = []
+        for (t, dst), ks in by_copy.items():
+            starts = s.transfer_start_us[ks]
+            readers = [r for r in consumers[t] if s.device[r] == dst]
+            serving = [int(np.searchsorted(starts, s.start_us[r], side="right")) - 1
+                       for r in readers]
+            for j, k in enumerate(ks):
+                if s.transfer_gate[k] < 0 or units.tensor_op_tensor[t] < 0:
+                    continue
+                rows.append({"tensor": g.tensor_name(int(units.tensor_op_tensor[t])),
+                             "src": self.devices.names[int(s.transfer_src[k])],
+                             "dst": self.devices.names[dst],
+                             "after": units.unit_name(int(s.transfer_gate[k])),
+                             "readers": sorted(units.unit_name(r) for r, c in
+                                               zip(readers, serving) if max(c, 0) == j)})
+        return [row for row in rows if row["readers"]]
 
     @property
     def peak_bytes(self) -> np.ndarray:

@@ -47,7 +47,8 @@ def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = No
     """
     cost_graph = cost_graph_from_graph(item.graph, step_fetches(item), profile)
     placement = place(cost_graph, devices, **place_options)
-    return apply_placement(item, placement.op_devices()), placement
+    return (apply_placement(item, placement.op_devices(), gated_reads=placement.gated_reads()),
+            placement)
 
 
 def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,

@@ -42,7 +42,7 @@ from graphfit.baechi.units import CONTROL_EDGE_BYTES, UnitGraph
 from graphfit.errors import GraphfitError
 from graphfit.profiler.profile import atomic_write_json
 
-__all__ = ["Schedule", "ScheduleBuilder", "PlacementError", "simulate"]
+__all__ = ["RuntimeCosts", "Schedule", "ScheduleBuilder", "PlacementError", "simulate"]
 
 
 MIN_DURATION_US = 1e-3
@@ -51,6 +51,30 @@ MIN_DURATION_US = 1e-3
 class PlacementError(GraphfitError, ValueError):
     """No device can hold a unit (the message says how many bytes do not fit), or a
     placement breaks a constraint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeCosts:
+    """What a real step costs beyond its ops' traced times and its transfers, measured on a run
+    target by ``baechi.calibrate.calibrate_runtime``.
+
+    Attributes:
+        step_us: fixed cost of one step (``Session.run`` on all the target's devices, nothing
+            to compute), added to the makespan.
+        op_us: per-op dispatch cost beyond the op's traced time, added to every op.
+        cores: how many ops run at once across all the devices (one machine's cores; virtual
+            CPU devices and local gRPC workers share them).
+        transfer_us: the least a transfer between two devices costs (a scalar's hop); a link
+            whose fitted constant term is smaller takes this one instead.
+    """
+
+    step_us: float
+    op_us: float
+    cores: int
+    transfer_us: float = 0.0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -158,6 +182,10 @@ class ScheduleBuilder:
             unit, which must be committed before the reader.
         not_before: replay given waits for memory (``Schedule.wait_us``): per unit, a time
             before which it does not start.
+        runtime: ``RuntimeCosts`` of the target: every op costs ``op_us`` more, at most
+            ``cores`` units run at once across the devices, a transfer costs at least
+            ``transfer_us``, and the makespan includes ``step_us`` (None: none of these, the
+            placers' model).
 
     A placer repeatedly picks a ready unit and a device, asks ``shortfall_bytes`` (<= 0: fits)
     and ``data_ready_us`` (when its inputs would be there), and calls ``commit``, which returns
@@ -167,7 +195,8 @@ class ScheduleBuilder:
     def __init__(self, units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
                  monotone: bool = True, transient_copies: bool = False,
                  late_sends: bool = False, gates: dict[int, int] | None = None,
-                 not_before: Sequence[float] | None = None):
+                 not_before: Sequence[float] | None = None,
+                 runtime: RuntimeCosts | None = None):
         check_memory_model(memory_model)
         self.monotone = monotone
         self.late_sends = late_sends
@@ -186,7 +215,15 @@ class ScheduleBuilder:
         self._inputs, self._outputs = adj["inputs"], adj["outputs"]
         self._consumers = adj["consumers"]
         # A unit takes at least 1 ns, so its inputs and outputs coexist in the memory sweep.
-        self._compute = np.maximum(units.compute_us, MIN_DURATION_US).tolist()
+        compute = units.compute_us
+        self.runtime = runtime
+        self.cores_free: list[float] = []  # when each core is free, a heap (with ``runtime``)
+        if runtime is not None:
+            compute = compute + runtime.op_us * np.bincount(units.unit_of_op,
+                                                            minlength=units.num_units)
+            if runtime.cores < len(devices):
+                self.cores_free = [0.0] * runtime.cores
+        self._compute = np.maximum(compute, MIN_DURATION_US).tolist()
         self._temp = units.temp_bytes.tolist()
         self._out_bytes = units.output_bytes.tolist()
         self._group = units.group.tolist()
@@ -197,6 +234,9 @@ class ScheduleBuilder:
         # (held to the end) are never released on their producer's device.
         self._t_held = (units.tensor_persistent | units.tensor_fetched).tolist()
         self._a, self._b = devices.a_us_per_byte, devices.b_us
+        if runtime is not None and runtime.transfer_us:
+            self._b = [[max(b, runtime.transfer_us) if i != j else 0.0
+                        for j, b in enumerate(row)] for i, row in enumerate(self._b)]
         self.limit = devices.memory_bytes.tolist()
         group_persistent = np.bincount(units.group, weights=units.persistent_bytes,
                                        minlength=units.num_groups)
@@ -391,7 +431,11 @@ class ScheduleBuilder:
         self.advanced = False
         begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0,
                     self.wait_us[u])
+        if self.cores_free:
+            begin = max(begin, self.cores_free[0])
         end = begin + self._compute[u]
+        if self.cores_free:
+            heapq.heapreplace(self.cores_free, end)
         if begin > self.clock:
             self.clock = begin
         if self.group_device[self._group[u]] == -1:
@@ -455,7 +499,9 @@ class ScheduleBuilder:
             order=np.array(self.order, dtype=np.int64),
             transfer_tensor=tr[:, 0].astype(np.int64), transfer_src=tr[:, 1].astype(np.int64),
             transfer_dst=tr[:, 2].astype(np.int64), transfer_start_us=tr[:, 3],
-            transfer_end_us=tr[:, 4], makespan_us=max(self.finish, default=0.0),
+            transfer_end_us=tr[:, 4],
+            makespan_us=max(self.finish, default=0.0) + (self.runtime.step_us
+                                                          if self.runtime else 0.0),
             peak_bytes=np.zeros(self.num_devices, dtype=np.int64),
             transfer_gate=tr[:, 5].astype(np.int64), transfer_reader=tr[:, 6].astype(np.int64),
             wait_us=np.array(self.wait_us), transient_copies=self.transient_copies,
@@ -468,7 +514,8 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
              order: Sequence[int] | None = None, memory_model: str = "liveness",
              in_order: bool = True, gates: dict[int, int] | None = None,
              transient_copies: bool = False,
-             not_before: Sequence[float] | None = None) -> Schedule:
+             not_before: Sequence[float] | None = None,
+             runtime: RuntimeCosts | None = None) -> Schedule:
     """Simulate one step of a placed unit graph.
 
     Units start in ``order`` (default: topological), each as soon as its device is free and its
@@ -490,6 +537,8 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
             (``ScheduleBuilder``), as the repair step planned (``Schedule.transient_copies``).
         not_before: per unit, a time before which it may not start (``Schedule.wait_us``: the
             repair step's waits for memory).
+        runtime: the target's measured ``RuntimeCosts`` (step and per-op costs, cores), to
+            predict a real step's time; default: none (the placers' model).
 
     Returns:
         The ``Schedule``: makespan, per-device peak bytes, per-unit times, transfers.
@@ -514,7 +563,7 @@ def simulate(units: UnitGraph, devices: DeviceSet, device_of_unit: Sequence[int]
                              f"{units.num_units} units")
     builder = ScheduleBuilder(units, devices, memory_model, monotone=in_order,
                               gates=gates, transient_copies=transient_copies,
-                              not_before=not_before)
+                              not_before=not_before, runtime=runtime)
     seq = units.topological_order if order is None else np.asarray(order)
     for u in seq.tolist():
         if builder.missing_inputs[u] != 0 or builder.device[u] != -1:

@@ -9,6 +9,7 @@ import pytest
 
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.grouping import coplacement_groups, tf_colocation_groups
+from graphfit.baechi.memory_first import release_first_order
 from graphfit.baechi.place import Placement, PlacementError, makespan_lower_bound_us, place
 from graphfit.baechi.schedule import simulate
 from graphfit.baechi.units import UnitGraph
@@ -159,13 +160,14 @@ def test_wide_layered_graph_places_at_1_1_of_the_sequential_peak_per_device(meth
     assert (again.peak_bytes <= limit).all() and (p.peak_bytes <= limit).all()
 
 
-def test_repair_step_keeps_the_order_and_balances_memory():
+def test_repair_step_keeps_its_order_and_balances_memory():
     from graphfit.baechi.m_etf import m_etf
     graph = synthetic.random_dag(600, seed=3, window=300)
     units = UnitGraph.singletons(graph, np.arange(graph.num_ops))
     devs = _tight_devices(graph, 1.5)
     s = m_etf(units, devs, memory_first_only=True)
-    assert s.info["memory_first"] and s.order.tolist() == units.topological_order.tolist()
+    assert s.info["memory_first"] and s.info["memory_first_order"] == "release_first"
+    assert s.order.tolist() == release_first_order(units, len(devs))
     # replayed as TF runs it (one copy per tensor and device, received as early as possible)
     again = simulate(units, devs, s.device, s.order, **s.replay_options())
     assert again.peak_bytes.max() <= 1.15 * devs.memory_bytes[0]
@@ -173,7 +175,26 @@ def test_repair_step_keeps_the_order_and_balances_memory():
     assert again.makespan_us < 0.6 * graph.compute_us.sum()        # devices run side by side
 
 
+def test_release_first_order_joins_branches_early_and_lowers_the_sequential_peak():
+    graph = synthetic.fork_join(600, seed=2, branches=32)
+    units = UnitGraph.singletons(graph, np.arange(graph.num_ops))
+    order = release_first_order(units, 4)
+    assert sorted(order) == list(range(graph.num_ops))
+    position = np.empty(graph.num_ops, dtype=np.int64)
+    position[order] = np.arange(graph.num_ops)
+    src, dst = units.edges
+    assert (position[src] < position[dst]).all()  # topological
+    one = DeviceSet.uniform(["/GPU:0"], "64GiB", "0,0")
+    zeros = np.zeros(graph.num_ops, dtype=np.int64)
+    lean = simulate(units, one, zeros, order).peak_bytes[0]
+    assert lean < 0.5 * simulate(units, one, zeros).peak_bytes[0]
+    # the first join runs before the last branch starts (the op order runs every branch first)
+    names = list(graph.names)
+    assert position[names.index("stage0/join0/add0")] < position[names.index("stage0/branch31/op0")]
+
+
 TIGHT_GRAPHS = {"layered": synthetic.layered(512, seed=1, width=256),
+                "fork_join": synthetic.fork_join(500, seed=1),
                 "random": synthetic.random_dag(500, seed=0, window=500),
                 "training_like": synthetic.training_like(400, seed=1)}
 

@@ -200,3 +200,43 @@ def test_communication_benchmark_writes_the_link_json(tmp_path):
     assert output.with_suffix(".png").exists()
     devices = DeviceSet.from_json(["/device:CPU:0", "/device:CPU:1"], "1GiB", str(output))
     assert devices.links[0, 1].a_us_per_byte >= 0 and devices.links[0, 1].b_us >= 0
+
+
+@pytest.mark.slow
+def test_gated_sends_of_the_repair_step_leave_after_their_gate():
+    import tensorflow as tf
+    from graphfit.baechi.place_and_run import place_item
+    from graphfit.baechi.schedule import simulate as simulate_step
+    from graphfit.baechi.units import UnitGraph
+
+    item = models.build("resnet", preset="tiny")
+    target = local_target(4)
+    graph = cost_graph_from_graph(item.graph, step_fetches(item))
+    zeros = np.zeros(graph.num_ops, dtype=np.int64)
+    one = DeviceSet.uniform(["/device:CPU:0"], "64GiB", "0,0")
+    seq = int(simulate_step(UnitGraph.singletons(graph, zeros), one, zeros).peak_bytes[0])
+    devices = DeviceSet.uniform(list(target.devices), int(1.6 * seq / 4), "0.0001754,134")
+    placed, placement = place_item(item, devices, method="m_etf")
+    reads = placement.gated_reads()
+    assert placement.unit_schedule.info.get("memory_first") and reads
+    ops = {op.name: op for op in placed.graph.get_operations()}
+    gates = {name: op for name, op in ops.items() if "/gated_send_" in name}
+    assert len(gates) == len(reads)
+    for op in gates.values():  # on the sending device, after its gate, read by the readers
+        read = reads[int(op.name.rsplit("_", 1)[1])]
+        assert op.device == read["src"] and [c.name for c in op.control_inputs] == [read["after"]]
+        assert all(op.outputs[0] in ops[r].inputs for r in read["readers"])
+    compare_steps(item, placed, target.session, rtol=PLACEMENT_RTOL).check()
+    # in a traced step each gated send's Identity starts after its gate ended
+    with target.session(placed.graph) as session:
+        session.run(placed.init_op)
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(step_fetches(placed), placed.feed_dict(),
+                    options=tf.compat.v1.RunOptions(trace_level=3), run_metadata=metadata)
+    times = {n.node_name: (n.all_start_micros, n.all_start_micros + n.all_end_rel_micros)
+             for d in metadata.step_stats.dev_stats for n in d.node_stats}
+    checked = [(name, read) for name, read in
+               ((name, reads[int(name.rsplit("_", 1)[1])]) for name in gates)
+               if name in times and read["after"] in times]
+    assert checked
+    assert all(times[name][0] >= times[read["after"]][1] for name, read in checked)

@@ -7,7 +7,7 @@ import pytest
 
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.memory import device_timelines
-from graphfit.baechi.schedule import PlacementError, ScheduleBuilder, simulate
+from graphfit.baechi.schedule import PlacementError, RuntimeCosts, ScheduleBuilder, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
@@ -187,3 +187,22 @@ def test_a_tensor_received_twice_is_held_twice_for_its_own_readers():
     again = simulate(units, _devices(), s.device, s.order, **s.replay_options())
     assert again.peak_bytes.tolist() == s.peak_bytes.tolist()
     assert len(again.transfer_tensor) == 2
+
+
+def test_runtime_costs_add_a_step_cost_a_cost_per_op_and_share_the_cores():
+    specs = [OpSpec("a", "X", output_bytes=[10], compute_us=3),
+             OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[10], compute_us=4),
+             OpSpec("c", "X", output_bytes=[10], compute_us=6),
+             OpSpec("d", "X", inputs=[("c", 0)], compute_us=2)]
+    units, devs = _units(specs), _devices(coeffs="0,0")
+    order = [0, 2, 1, 3]
+    plain = simulate(units, devs, [0, 0, 1, 1], order)
+    assert plain.makespan_us == 8  # c, d on the second device beside a, b
+    costs = RuntimeCosts(step_us=100.0, op_us=1.5, cores=2)
+    with_costs = simulate(units, devs, [0, 0, 1, 1], order, runtime=costs)
+    assert with_costs.makespan_us == pytest.approx(100 + 6 + 2 + 2 * 1.5)
+    # one core: the two devices take turns, the step takes every op's time
+    one_core = simulate(units, devs, [0, 0, 1, 1], order, runtime=RuntimeCosts(0.0, 0.0, 1))
+    assert one_core.makespan_us == pytest.approx(sum(s.compute_us for s in specs))
+    finish = sorted(zip(one_core.start_us.tolist(), one_core.finish_us.tolist()))
+    assert all(b[0] >= a[1] for a, b in zip(finish, finish[1:]))  # never two at once

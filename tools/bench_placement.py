@@ -19,7 +19,9 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
   seconds and the process's peak RSS.
 - ``planned_vs_measured``: small models profiled on one device, placed with m-ETF on a local TF
   gRPC cluster (2 workers) and on 4 virtual CPU devices under each link model, run, and the
-  planned makespan set beside the measured median step time.
+  planned makespan set beside the measured median step time and beside the prediction: the
+  same placement simulated with the target's ``RuntimeCosts`` (fixed step cost, per-op cost,
+  cores), measured on the target just before (``baechi.calibrate``; under ``calibration``).
 
 The machine is shared: wall times are noisy, CPU seconds less so; see ``index.json``.
 
@@ -213,12 +215,15 @@ def _scale() -> list[dict]:
     return rows
 
 
-def _planned_vs_measured() -> list[dict]:
+def _planned_vs_measured() -> tuple[list[dict], list[dict]]:
     """Profile each small model on one device, place it on a gRPC cluster and on virtual CPU
-    devices under each link model, run it, and compare planned makespan and step time."""
+    devices under each link model, run it, and compare planned makespan, predicted and
+    measured step time. Returns (rows, the targets' calibrations)."""
     from graphfit import models
+    from graphfit.baechi.calibrate import calibrate_runtime
     from graphfit.baechi.place_and_run import place_item
-    from graphfit.baechi.run import LocalCluster, local_target, measure_placed_run
+    from graphfit.baechi.cluster import LocalCluster
+    from graphfit.baechi.run import local_target, measure_placed_run
     from graphfit.profiler.trace import profile_graph
 
     grpc_coeffs = GRPC_COEFFS
@@ -228,7 +233,7 @@ def _planned_vs_measured() -> list[dict]:
         if measured.get("transport") == "grpc":
             link = measured["default"]
             grpc_coeffs = f"{link['a_us_per_byte']},{link['b_us']}"
-    rows = []
+    rows, calibrations = [], []
     for name, preset in RUN_MODELS:
         item = models.build(name, preset=preset)
         profile = profile_graph(item, steps=6, warmup=2, trace_every=2, progress=None)
@@ -236,32 +241,41 @@ def _planned_vs_measured() -> list[dict]:
         with LocalCluster(2, startup_timeout_s=600) as cluster:  # TF imports slowly when loaded
             targets = [(cluster.run_target, grpc_coeffs), (local_target(NUM_DEVICES), "0,0")]
             for target, coeffs in targets:
+                runtime, raw = calibrate_runtime(target)
+                calibrations.append({"model": name, "target": target.kind,
+                                     **runtime.to_json(), **raw})
+                print(f"{target.kind:>11}: {runtime} ({raw['chains_at_once']:.2f} chains at "
+                      "once)", flush=True)
                 for link_model in LINK_MODELS:
                     devices = DeviceSet.uniform(list(target.devices), "64GiB", coeffs,
                                                 link_model=link_model)
                     placed, placement = place_item(item, devices, profile, method="m_etf")
-                    run = measure_placed_run(placed, target, steps=6, warmup=2, trace_every=3)
+                    run = measure_placed_run(placed, target, steps=12, warmup=2, trace_every=4)
                     row = {"model": name, "preset": preset, "target": target.kind,
                            "link_model": link_model, "comm_cost_coeffs": coeffs,
                            "planned_ms": placement.makespan_us / 1e3,
+                           "predicted_ms": placement.predict(runtime).makespan_us / 1e3,
                            "measured_ms": run.step_time_ms_median,
                            "single_device_measured_ms": single / 1e3,
                            "sum_of_op_times_ms": float(placement.graph.compute_us.sum()) / 1e3,
                            "transfers": len(placement.schedule.transfer_tensor),
                            "ops_per_device": placement.summary()["ops_per_device"]}
                     row["measured_over_planned"] = row["measured_ms"] / row["planned_ms"]
+                    row["measured_over_predicted"] = row["measured_ms"] / row["predicted_ms"]
                     rows.append(row)
                     print(f"{name:>8} {target.kind:>11} {link_model:>10}: planned "
-                          f"{row['planned_ms']:8.2f} ms, measured {row['measured_ms']:8.2f} ms "
-                          f"({row['measured_over_planned']:.2f}x); one device "
+                          f"{row['planned_ms']:8.2f} ms, predicted {row['predicted_ms']:8.2f} ms,"
+                          f" measured {row['measured_ms']:8.2f} ms "
+                          f"({row['measured_over_planned']:.2f}x planned, "
+                          f"{row['measured_over_predicted']:.2f}x predicted); one device "
                           f"{row['single_device_measured_ms']:.2f} ms, ops sum "
                           f"{row['sum_of_op_times_ms']:.2f} ms, {row['transfers']} transfers",
                           flush=True)
-    return rows
+    return rows, calibrations
 
 
 def _plot(result: dict) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     quality = [r for r in result["quality"] if r["graph"].split("_")[0] in FAMILIES]
     for method in METHODS:
         for link_model, style in zip(LINK_MODELS, ("-", "--")):
@@ -292,12 +306,32 @@ def _plot(result: dict) -> None:
     axes[1].legend(fontsize=6)
     runs = result.get("planned_vs_measured", [])
     names = [f"{r['model']} {r['target']} {r['link_model']}" for r in runs]
-    axes[2].barh(names, [r["planned_ms"] for r in runs], height=0.4, label="planned")
-    axes[2].barh([i + 0.4 for i in range(len(runs))], [r["measured_ms"] for r in runs],
-                 height=0.4, label="measured")
-    axes[2].set(xlabel="step (ms)", title="planned vs measured (m-ETF)")
+    ys = np.arange(len(runs))
+    axes[2].barh(ys, [r["planned_ms"] for r in runs], height=0.27, label="planned")
+    axes[2].barh(ys + 0.27, [r.get("predicted_ms", 0) for r in runs], height=0.27,
+                 label="predicted (calibrated)")
+    axes[2].barh(ys + 0.54, [r["measured_ms"] for r in runs], height=0.27, label="measured")
+    axes[2].set_yticks(ys + 0.27)
+    axes[2].set_yticklabels(names)
+    axes[2].set(xlabel="step (ms)", xscale="log", title="planned vs measured (m-ETF)")
     axes[2].tick_params(axis="y", labelsize=7)
     axes[2].legend(fontsize=7)
+    tight = result.get("tight", [])
+    graphs = sorted({r["graph"] for r in tight}, key=[r["graph"] for r in tight].index)
+    placers = [(m, lm) for m in METHODS if m != "m_topo" for lm in LINK_MODELS]
+    width = 0.8 / len(placers)
+    for k, (method, link_model) in enumerate(placers):
+        values = [next((r.get("over_m_topo") or 0 for r in tight if r["graph"] == g
+                        and r["method"] == method and r["link_model"] == link_model), 0)
+                  for g in graphs]
+        axes[3].bar([i + k * width for i in range(len(graphs))], values, width,
+                    label=f"{method} {link_model}")
+    axes[3].axhline(1.0, color="black", linewidth=0.8)
+    axes[3].set_xticks([i + 0.4 for i in range(len(graphs))])
+    axes[3].set_xticklabels(graphs, rotation=30, ha="right", fontsize=7)
+    axes[3].set(ylabel="makespan / m-TOPO's at its tightest limit",
+                title=f"at {TIGHT_RATIO} x (sequential peak / {NUM_DEVICES}) (0: not placed)")
+    axes[3].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(PLOT_PATH, dpi=110)
     plt.close(fig)
@@ -323,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     if "scale" in sections:
         result["scale"] = _scale()
     if "planned_vs_measured" in sections:
-        result["planned_vs_measured"] = _planned_vs_measured()
-    merged = {"quality": [], "tight": [], "scale": [], "planned_vs_measured": []}
+        result["planned_vs_measured"], result["calibration"] = _planned_vs_measured()
+    merged = {"quality": [], "tight": [], "scale": [], "planned_vs_measured": [],
+              "calibration": []}
     if os.path.exists(RESULT_PATH):  # a partial run keeps the other sections' results
         with open(RESULT_PATH) as f:
             merged.update({k: v for k, v in json.load(f).items() if k in merged})
