@@ -12,20 +12,23 @@ rematerialized ResNet-50 under oneDNN, 6.4e-5 on gradients of magnitude up to 11
 
 Some steps amplify rounding far beyond any fixed tolerance: ``keras.applications.ResNet50`` at
 64x64, batch 8 (BatchNorm over 2x2 maps) gives gradients up to 1.6 apart, of magnitude 99, with
-oneDNN on against off, each run deterministic. A rematerialization rewrite runs some fusable
-ops apart (its ordering edges keep TF's fusing passes off them), so its gradients differ from
-the original's by that step's rounding, not by ``rtol``. With ``kernel_order_noise`` the check
-measures that rounding on the ORIGINAL step in the same run: one more step of the reference
-with every fusion of TF's passes left apart (``unfused_twin``: a control edge beside every data
-edge, which keeps oneDNN's merge of e.g. ``Conv2D`` + ``BiasAdd`` off the pair, run with
-Grappler's remapper off: Grappler drops a control edge that repeats a data edge, checked on this
-machine), so the same arithmetic runs in unfused kernels. Each tensor's tolerance then grows by
-``NOISE_FACTOR`` times that tensor's own largest difference between the two runs of the
-original. Only tensors the original's own kernel order moves get a wider tolerance, by what
-the original itself showed; a wrong value on any other tensor still fails at ``rtol`` (measured
-on that ResNet-50 under oneDNN: the rewritten step's difference was, tensor by tensor, at most
-the unfused twin's, 1.9e-4; see ``tests/test_step_compare.py`` for a mis-wired clone that
-fails).
+oneDNN on against off, each run deterministic. A rematerialization rewrite runs some fusable ops
+apart (its ordering edges keep TF's fusing passes off them), so its gradients differ from the
+original's by that step's rounding, not by ``rtol``. With ``kernel_order_noise`` the check
+measures that rounding on the ORIGINAL step in the same run: one more step of the reference with
+TF's fusions left apart (``unfused_twin``: each reader of a tensor waits for the one before it,
+and Grappler's remapper is off), so the same arithmetic runs in unfused kernels. Each tensor's
+tolerance then grows by ``NOISE_FACTOR`` times that tensor's own largest difference between the
+two runs of the original. Only tensors the original's own kernel order moves get a wider
+tolerance, by what the original itself showed; a wrong value on any other tensor still fails at
+``rtol`` (``tests/test_remat_rewrite.py``: a mis-wired clone). Measured on that ResNet-50 under
+oneDNN at ratio 0.5: the twin moved 7 of 214 gradients, by up to 1.9e-4: the biases of the first
+7 convolutions, each feeding a BatchNorm, so their gradient is zero in exact arithmetic and the
+computed one (2e-6 to 2.7e-4) is cancelling terms summed in another order by oneDNN's fused
+``Conv2DBackpropFilterWithBias`` than by ``BiasAddGrad``. The rewritten step moved the same 7,
+each by at most the twin's difference (ratio 1.0), and no other. A tolerance from the step's
+conditioning would not do: initial values one float32 ulp apart moved every gradient, by up to
+3.2.
 
 Both steps start from the same variables whatever their initialisers would draw: the reference's
 initialisers run first, the values they assign are fetched, and those values are fed into the
@@ -43,6 +46,7 @@ cloned), so both draw the same mask; the comparison lists the ops it seeded.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import zlib
 from collections.abc import Callable, Mapping
@@ -146,21 +150,73 @@ def seed_random_ops(item: GraphItem) -> tuple[GraphItem, list[str]]:
     return item.with_graph(graph), sorted(seeded)
 
 
+def _execution_order(graph_def: tf.compat.v1.GraphDef) -> dict[str, int]:
+    """Node name -> position in a topological order of data and control edges (edges into a
+    ``Merge``, a TF1 loop's back edges among them, do not count)."""
+    inputs = {node.name: [] if node.op in ("Merge", "RefMerge") else
+              [name.lstrip("^").split(":")[0] for name in node.input] for node in graph_def.node}
+    waiting = {name: len(producers) for name, producers in inputs.items()}
+    readers = collections.defaultdict(list)
+    for name, producers in inputs.items():
+        for producer in producers:
+            readers[producer].append(name)
+    ready = [name for name, count in waiting.items() if count == 0]
+    order = {}
+    while ready:
+        name = ready.pop()
+        order[name] = len(order)
+        for reader in readers[name]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    return order
+
+
+def _step_ops(item: GraphItem) -> list[tf.Operation]:
+    """The ops one training step runs: the fetches' ancestors (data and control)."""
+    elements = [item.graph.as_graph_element(name) for name in step_fetches(item)]
+    stack = [e if isinstance(e, tf.Operation) else e.op for e in elements]
+    seen = {op.name: op for op in stack}
+    while stack:
+        op = stack.pop()
+        for producer in [t.op for t in op.inputs] + list(op.control_inputs):
+            if producer.name not in seen:
+                seen[producer.name] = producer
+                stack.append(producer)
+    return list(seen.values())
+
+
 def unfused_twin(item: GraphItem) -> tuple[GraphItem, tf.compat.v1.ConfigProto]:
-    """``item`` with a control edge beside every data edge (TF1 control-flow ops excepted),
-    and the project's session configuration with Grappler's remapper off: the same
-    arithmetic, with every fusion TF's passes would make left apart (module docstring). Its
-    step differs from ``item``'s only by the rounding of the kernels."""
+    """``item`` in which every reader of a tensor waits (control edge) for the reader before
+    it, and the project's session configuration with Grappler's remapper off: the same
+    arithmetic with TF's fusions left apart (module docstring), so its step differs from
+    ``item``'s only by the rounding of the kernels.
+
+    Why these edges: Grappler drops a control edge that repeats a data edge, so only an edge
+    from another node keeps a fusion apart. oneDNN's merge of two readers of one gradient
+    (``Conv2DBackpropFilter`` + ``BiasAddGrad``: the fused kernel sums the bias gradient in
+    another order) needs both to have the same control inputs; chained, the later one waits
+    for the earlier, the earlier cannot wait for itself. A ``Conv2D`` + ``BiasAdd`` fused or
+    not rounds alike (one float32 sum, then the bias). Stateful and TF1 control-flow ops get
+    no edges, ops outside the step none either (an edge would make the step run them)."""
     graph_def = item.graph.as_graph_def()
-    op_types = {node.name: node.op for node in graph_def.node}
-    for node in graph_def.node:
-        if node.op in _CONTROL_FLOW_OP_TYPES:
+    nodes = {node.name: node for node in graph_def.node}
+    position = _execution_order(graph_def)
+    readers = collections.defaultdict(set)            # tensor -> step ops reading it
+    for op in _step_ops(item):
+        # Stateful ops (updates, variable reads) are not fused, and edges to them could order
+        # reads and updates the step leaves free.
+        if op.type in _CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful or op.name not in position:
             continue
-        producers = dict.fromkeys(name.split(":")[0] for name in node.input
-                                  if not name.startswith("^"))
-        node.input.extend(f"^{producer}" for producer in producers
-                          if op_types[producer] not in _CONTROL_FLOW_OP_TYPES
-                          and f"^{producer}" not in node.input)
+        for tensor in op.inputs:
+            if tensor.op.type not in _CONTROL_FLOW_OP_TYPES and tensor.dtype != tf.resource \
+                    and tensor.dtype == tensor.dtype.base_dtype:
+                readers[tensor.name].add(op.name)
+    for siblings in readers.values():
+        chain = sorted(siblings, key=position.get)
+        for earlier, later in zip(chain, chain[1:]):
+            if f"^{earlier}" not in nodes[later].input:
+                nodes[later].input.append(f"^{earlier}")
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
