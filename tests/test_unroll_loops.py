@@ -158,10 +158,10 @@ def test_graph_without_loops_is_returned_as_is():
 
 @pytest.mark.slow
 def test_unrolled_lstm_is_rematerialized_and_trains_like_the_keras_step():
-    """The whole path: a Keras LSTM (unroll=False) is unrolled, planned under a budget,
-    rewritten with recomputations, measured within 5% of the budget, and the rewritten step
-    trains the Keras model to the weights of the original step. Shapes where activations
-    dominate the peak (sequence 16, batch 64, 32 units)."""
+    """The whole path: a Keras LSTM (unroll=False) is unrolled, planned under half its
+    measured peak, rewritten with recomputations, measured within 5% of the budget, and the
+    rewritten step trains the Keras model to the weights of the original step. Shapes where
+    activations dominate the peak (sequence 16, batch 64, 32 units)."""
     from graphfit import baechi
 
     batch = _batch(batch=64, sequence=16)
