@@ -5,6 +5,7 @@ Keras ResNet-style step must plan and run rematerialized with oneDNN on and off.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -62,17 +63,35 @@ def test_pair_with_the_same_control_inputs_is_kept_apart():
     assert "^conv" in _inputs(graph_def, "bias_add")
 
 
-def _optimize_report() -> dict:
-    """Run in a subprocess (oneDNN is chosen when TF loads): optimize at ``RATIO``."""
+def _fused_kernels(item, config) -> dict[str, int]:
+    """The fused kernels (Grappler's ``_Fused...``, oneDNN's ``..WithBias``) a step ran."""
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=item.graph, config=config) as session:
+        session.run(item.init_op)
+        session.run([item.train_op, item.loss], item.feed_dict(), run_metadata=metadata,
+                    options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+    return dict(collections.Counter(n.op for g in metadata.partition_graphs for n in g.node
+                                    if "Fused" in n.op or "WithBias" in n.op))
+
+
+def _report() -> list[dict]:
+    """Run in a subprocess (oneDNN is chosen when TF loads): the fused kernels of the step and
+    of its unfused twin (the gradient check's noise reference), and optimize at ``RATIO``."""
     from graphfit.baechi.pipeline import optimize
+    from graphfit.profiler.session import session_config
+    from graphfit.profiler.step_compare import unfused_twin
     from graphfit.tools.bench_grappler import keras_step
 
+    # keras_step("conv"): ZeroPadding2D, Conv2D with bias, BatchNorm, residual adds.
+    item = keras_step("conv", batch=16)
+    kernels = {"original": _fused_kernels(item, session_config()),
+               "twin": _fused_kernels(*unfused_twin(item))}
     # Costs are measured on a loaded machine: a generous overhead limit keeps DTR from
     # declaring thrashing on noise (the test is about fitting and running, not overhead).
-    # keras_step("conv"): ZeroPadding2D, Conv2D with bias, BatchNorm, residual adds.
-    report = optimize(keras_step("conv", batch=16), memory_ratio=RATIO, remat_overhead_limit=4.0,
+    report = optimize(item, memory_ratio=RATIO, remat_overhead_limit=4.0,
                       progress=None).report()["remat"]
-    return {key: value for key, value in report.items() if not isinstance(value, (dict, list))}
+    return [kernels, {key: value for key, value in report.items()
+                      if not isinstance(value, (dict, list))}]
 
 
 @pytest.mark.slow
@@ -82,12 +101,18 @@ def test_keras_resnet_style_step_fits_half_its_peak_with_onednn(onednn):
         [sys.executable, __file__], capture_output=True, text=True, timeout=900,
         env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn, "KERAS_BACKEND": "tensorflow"})
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    kernels, report = json.loads(result.stdout.strip().splitlines()[-1])
+    # The noise reference of the gradient check really runs TF's fusions apart (with oneDNN
+    # also the filter gradient that sums the bias gradient in its own order).
+    fused = "_MklNativeConv2DBackpropFilterWithBias" if onednn == "1" else "_FusedConv2D"
+    assert kernels["original"].get(fused, 0) > 0 and not kernels["twin"], kernels
     assert report["changed"] and report["num_recomputes"] > 0
+    # The check's tolerance includes the original's own kernel-order noise (step_compare).
     assert report["loss_match"] and report["gradients_match"], report
+    assert report["max_kernel_noise"] is not None
     assert report["measured_peak_bytes"] <= 1.05 * report["budget_bytes"], report
     assert report["budget_bytes"] <= RATIO * report["baseline_peak_bytes"]
 
 
 if __name__ == "__main__":
-    print(json.dumps(_optimize_report()))
+    print(json.dumps(_report()))

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from graphfit import models
-from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.step_compare import StepMismatchError, compare_steps
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.measure import measure_rewrite, measure_step
 from graphfit.remat.pipeline import BudgetError, rematerialize
@@ -78,6 +78,29 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
     assert readers and all(not name.startswith("gradients/") for name in readers)
     assert rewritten.config["remat"]["clones"] == 3
     compare_steps(item, rewritten).check()
+
+
+def test_a_mis_wired_clone_fails_the_check_with_kernel_order_noise():
+    """The check the pipeline runs (tolerance widened by the original's own kernel-order
+    noise) still catches a clone that reads the wrong tensor of the right shape."""
+    import tensorflow as tf
+
+    item = models.build("mlp", preset="tiny")
+    graph = _step_graph(item)
+    plan = plan_from_schedule(graph, _recompute_layer0_before_backward(graph), None, "hand")
+    rewritten = rewrite(item, graph, plan)
+    compare_steps(item, rewritten, kernel_order_noise=True).check()
+
+    graph_def = rewritten.graph.as_graph_def()
+    clone = next(n for n in graph_def.node if n.name == "layer_0/Relu/remat_1")
+    clone.input[0] = "layer_1/BiasAdd"          # same shape, another layer's pre-activation
+    mis_wired = tf.Graph()
+    with mis_wired.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    comparison = compare_steps(item, rewritten.with_graph(mis_wired), kernel_order_noise=True)
+    assert comparison.loss_equal and not comparison.gradients_equal
+    with pytest.raises(StepMismatchError, match="kernel-order noise"):
+        comparison.check()
 
 
 def test_clones_survive_grappler_under_the_project_config():

@@ -1,12 +1,16 @@
 """One step of two graphs from identical initial variables (profiler.step_compare)."""
 
+import collections
 import dataclasses
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from graphfit import models
-from graphfit.profiler.step_compare import StepMismatchError, compare_steps, tensors_close
+from graphfit.profiler.session import session_config
+from graphfit.profiler.step_compare import (NOISE_FACTOR, StepMismatchError, compare_steps,
+                                            tensors_close, unfused_twin)
 
 
 def test_other_seed_starts_from_the_reference_variables():
@@ -35,3 +39,31 @@ def test_tolerance_is_relative_to_the_tensors_largest_magnitude():
     # A real error (a wrong value, a wrong shape) is still one.
     assert not tensors_close(reference + [0.0, 0.01], reference, rtol=1e-5, atol=1e-6)
     assert not tensors_close(reference[:1], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_order_noise_widens_the_tolerance_by_the_references_own_difference():
+    reference = np.array([1.0, 1e-3])
+    moved = reference + [0.0, 3.4e-4]
+    assert not tensors_close(moved, reference, rtol=1e-5, atol=1e-6)
+    assert tensors_close(moved, reference, rtol=1e-5, atol=1e-6, noise=3.4e-4 / NOISE_FACTOR)
+    assert not tensors_close(moved, reference, rtol=1e-5, atol=1e-6, noise=1e-5)
+
+
+def _fused_op_types(item, config) -> collections.Counter:
+    """The fused kernels (``_FusedMatMul``, oneDNN's ``_Mkl...Fused...``) the session ran."""
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=item.graph, config=config) as session:
+        session.run(item.init_op)
+        session.run([item.train_op, item.loss], item.feed_dict(), run_metadata=metadata,
+                    options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+    return collections.Counter(n.op for g in metadata.partition_graphs for n in g.node
+                               if "Fused" in n.op)
+
+
+def test_unfused_twin_runs_the_same_step_without_fusions():
+    item = models.build("mlp", preset="tiny")
+    assert _fused_op_types(item, session_config())
+    assert not _fused_op_types(*unfused_twin(item))
+    comparison = compare_steps(item, unfused_twin(item)[0], kernel_order_noise=True)
+    comparison.check()
+    assert comparison.max_kernel_noise is not None

@@ -158,17 +158,17 @@ def test_graph_without_loops_is_returned_as_is():
 
 @pytest.mark.slow
 def test_unrolled_lstm_is_rematerialized_and_trains_like_the_keras_step():
-    """The whole path: a Keras LSTM (unroll=False) is unrolled, planned under a budget,
-    rewritten with recomputations, measured within 5% of the budget, and the rewritten step
-    trains the Keras model to the weights of the original step. Shapes where activations
-    dominate the peak (sequence 16, batch 64, 32 units)."""
+    """The whole path: a Keras LSTM (unroll=False) is unrolled, planned under half its
+    measured peak, rewritten with recomputations, measured within 5% of the budget, and the
+    rewritten step trains the Keras model to the weights of the original step. Shapes where
+    activations dominate the peak (sequence 16, batch 64, 32 units)."""
     from graphfit import baechi
 
     batch = _batch(batch=64, sequence=16)
     model, _, train_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
     reference_model, _, reference_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
     item = graph_item_from_function(train_step, *batch)
-    result = baechi.optimize(item, memory_ratio=0.8, remat_heuristic="offline", progress=None)
+    result = baechi.optimize(item, memory_ratio=0.5, remat_heuristic="offline", progress=None)
     report = result.report()["remat"]
     assert report["num_recomputes"] > 0
     assert report["gradients_match"] and report["loss_match"]
