@@ -67,7 +67,7 @@ from graphfit.remat.plan import RematPlan
 from graphfit.remat.schedule import plan_from_schedule
 from graphfit.remat.validate import InfeasibleBudgetError
 
-__all__ = ["MAX_GROUPS", "checkmate_lp"]
+__all__ = ["MAX_NONZEROS", "checkmate_lp"]
 
 # Phase-1 thresholds tried on each LP solution (a higher one checkpoints less: more
 # recomputation, less memory), and randomized roundings per solution.
@@ -78,12 +78,8 @@ RANDOM_ROUNDINGS = 2
 # MIN_SCALE of the budget).
 SCALE_STEP = 0.97
 MIN_SCALE = 0.5
-# Decision ops (= stages) above which consecutive ones are grouped (module docstring). Chosen
-# so that the LP of the largest zoo graph (gnmt_v2, 9282 ops) solves in seconds on 2 cores.
-MAX_GROUPS = 120
-# Nonzeros of the LP's matrix (estimated before its rows are built) above which the groups are
-# made larger still (the square root of the excess fewer): dual simplex took ~3 s at 105k
-# nonzeros on gnmt_v2, 13 s at 255k; mlp/activations, ungrouped, has 95k.
+# Nonzeros of the LP's matrix (estimated before its rows are built) above which consecutive
+# decision ops are grouped (module docstring; the square root of the excess fewer stages).
 MAX_NONZEROS = 120_000
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
@@ -99,6 +95,7 @@ class _Relaxation:
     S: dict                       # (stage, unit) -> column
     R: dict                       # (stage, group) -> column
     cost: np.ndarray
+    upper: np.ndarray             # per column: 1, or inf for the running sums of bytes
     matrix: scipy.sparse.csr_array
     b_fixed: np.ndarray           # rows' bounds that do not depend on the budget
     memory_rows: np.ndarray       # row ids of the memory rows
@@ -108,7 +105,7 @@ class _Relaxation:
 
 
 def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
-                max_groups: int, max_nonzeros: float = math.inf) -> _Relaxation:
+                max_groups: int | None, max_nonzeros: float = math.inf) -> _Relaxation:
     """Build the sparse relaxation of Checkmate's model (module docstring); with fewer groups
     when its matrix would have more than about ``max_nonzeros`` nonzeros."""
     producer = graph.tensor_producer
@@ -165,8 +162,9 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             if starts[s] <= group_until[g]:
                 R[s, g] = len(cost)
                 cost.append(group_cost)
-    # Nonzeros, about: the rows a recomputation reads through, and ~5 per checkpoint.
-    estimate = sum(4 + 2 * len(reads_group[g]) for _, g in R) + 5 * len(S)
+    # Nonzeros, about: the rows a recomputation reads through and its memory row, and ~6 per
+    # checkpoint.
+    estimate = sum(6 + 3 * len(reads_group[g]) for _, g in R) + 6 * len(S)
     if estimate > max_nonzeros and num_stages > 1:
         fewer = max(1, int(num_stages * math.sqrt(max_nonzeros / estimate)))
         return _relaxation(graph, budget_bytes, outputs, fewer)
@@ -198,10 +196,10 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             uses = [t for u in units_of_group[g] for t in readers_in(s, u)
                     + ([(S[s + 1, u], -1.0)] if (s + 1, u) in S else [])]
             row([(v, 1.0)] + uses, 0.0)
-        ops = members[g]
-        if len(ops) == 1 and len(graph.op_outputs(ops[0])) == 1 and (s, unit_of[
-                graph.output_offset[ops[0]]]) in S:  # not recomputed while resident
-            row([(v, 1.0), (S[s, int(unit_of[graph.output_offset[ops[0]]])], 1.0)], 1.0)
+        if len(members[g]) == 1:  # an op is not recomputed while an output is resident
+            for u in units_of_group[g]:
+                if (s, u) in S:
+                    row([(v, 1.0), (S[s, u], 1.0)], 1.0)
     for (s, u), v in S.items():
         g = unit_group[u]
         if s > g + 1:               # checkpoints persist only if resident or recomputed
@@ -255,10 +253,90 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             memory_rows.append(len(bound))
             memory_const.append(highest)
             row(terms, 0.0)
+    num_bounded = len(cost)
+    if not grouped:  # the memory of each recomputation (the rows need one op per group)
+        temp = graph.temp_bytes / unit_bytes
+        recomputed: list[list[int]] = [[] for _ in blocks]
+        for s, g in sorted(R):
+            recomputed[s].append(g)
+        for s, groups in enumerate(recomputed):
+            if not groups:
+                continue
+            sums, memory = _recomputation_rows(
+                graph, s, groups, S, R, reads_block[s], kept_into[s + 1], members, decision,
+                unit_of, unit_group, unit_tensors, size, temp, cost)
+            for terms in sums:
+                row(terms, 0.0)
+            for terms in memory:
+                memory_rows.append(len(bound))
+                memory_const.append(alive[blocks[s].start])
+                row(terms, 0.0)
+    upper = np.where(np.arange(len(cost)) < num_bounded, 1.0, np.inf)  # running sums: >= 0
     matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
-    return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
+    return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), upper, matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
                        np.array(memory_const), unit_bytes, grouped)
+
+
+def _recomputation_rows(graph: CostGraph, s: int, groups: list[int], S: dict, R: dict,
+                        read: set[int], kept: list[int], members: list[list[int]],
+                        decision: np.ndarray, unit_of: np.ndarray, unit_group: list[int],
+                        unit_tensors: list[list[int]],
+                        size: np.ndarray, temp: np.ndarray, cost: list[float]
+                        ) -> tuple[list[list[tuple[int, float]]], list[list[tuple[int, float]]]]:
+    """The rows bounding the memory of stage ``s``'s recomputations ``groups`` (ungrouped
+    model: a group is one op, a unit one tensor), in topological order as the MILP runs them.
+
+    When op ``j`` is recomputed these are resident in any MILP schedule, besides the fixed
+    tensors alive: ``j``'s outputs, temporary bytes and inputs; each tensor of an earlier stage
+    that the stage's first computations read (``read``), if checkpointed into the stage or
+    recomputed before ``j``; each checkpoint into the next stage (``kept``) made before ``j``
+    (resident since the stage began, or since its recomputation). An op is never recomputed
+    while an output of it is checkpointed (a valid inequality of ``_relaxation``), so no
+    tensor counts twice. The bytes that grow with ``j`` are a running sum: a new column
+    (``cost`` grows) and a row each time it grows, not a row as long as the stage's
+    checkpoints per recomputation.
+
+    Returns:
+        The running-sum rows (``<= 0``) and the memory rows (``<= capacity - fixed``).
+    """
+    producer = graph.tensor_producer
+
+    def column() -> int:
+        cost.append(0.0)
+        return len(cost) - 1
+
+    def bytes_of(u: int) -> float:
+        return float(size[unit_tensors[u][0]])
+
+    total = column()   # the running sum, first of the checkpoints the stage's own ops read
+    sums = [[(total, -1.0)] + [(S[s, u], bytes_of(u)) for u in read if (s, u) in S]]
+    # Units that join the sum once the recomputations pass their producer.
+    joining = sorted((unit_group[u], u) for u in read | set(kept))
+    memory, p = [], 0
+    for g in groups:
+        added = []
+        while p < len(joining) and joining[p][0] < g:
+            h, u = joining[p]
+            p += 1
+            column_u = R.get((s, h)) if u in read else S.get((s + 1, u))
+            if column_u is not None:
+                added.append((column_u, bytes_of(u)))
+        if added:
+            previous, total = total, column()
+            sums.append([(total, -1.0), (previous, 1.0)] + added)
+        (j,) = members[g]
+        terms = [(total, 1.0)]
+        own = float(size[list(graph.op_outputs(j))].sum()) + float(temp[j])
+        for x in dict.fromkeys(graph.op_inputs(j).tolist()):
+            u = int(unit_of[x])
+            if not decision[producer[x]] or size[x] == 0 or u in read:
+                continue  # fixed (alive anyway), or in the running sum whenever resident
+            own += float(size[x])
+            if (s + 1, u) in S:  # in the running sum as a checkpoint kept: not twice
+                terms.append((S[s + 1, u], -float(size[x])))
+        memory.append(terms + [(R[s, g], own)])
+    return sums, memory
 
 
 def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
@@ -273,7 +351,8 @@ def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
         return None, None   # some stage's own working set does not fit
     # Dual simplex: on these LPs 6-13x faster than HiGHS's interior point (with or without
     # crossover), e.g. 0.75 s vs 9.5 s on mlp/activations (12k variables, 31k rows).
-    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0),
+    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b,
+                     bounds=np.stack([np.zeros(len(relax.cost)), relax.upper], axis=1),
                      method="highs-ds", options={"time_limit": max(float(time_limit_s), 1.0)})
     if result.status == 2:
         return None, None
@@ -283,11 +362,16 @@ def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
     return np.clip(result.x, 0.0, 1.0), float(relax.cost @ result.x)
 
 
-def _round(graph: CostGraph, relax: _Relaxation, kept: np.ndarray) -> list[int]:
+def _round(graph: CostGraph, relax: _Relaxation, kept: np.ndarray) -> tuple[list[int], set[int]]:
     """Phase 2 (module docstring): the schedule with checkpoint columns ``kept`` (a boolean
-    per LP column) and the recomputations each stage then needs."""
+    per LP column) and the recomputations each stage then needs.
+
+    Returns:
+        The schedule, and the checkpoint columns not kept that made it recompute (keeping one
+        of those would save a recomputation; keeping any other changes nothing)."""
     layout, producer = relax.layout, graph.tensor_producer
     schedule: list[int] = []
+    missed: set[int] = set()
     for s, block in enumerate(layout.blocks):
         redo: set[int] = set()
         stack = [x for k in block for x in layout.inputs[k]]
@@ -298,16 +382,52 @@ def _round(graph: CostGraph, relax: _Relaxation, kept: np.ndarray) -> list[int]:
                     or layout.recompute_until[j] < block.start):
                 continue  # fixed, made in this stage, already recomputed, or cannot be
             column = relax.S.get((s, int(relax.unit_of[x])))
-            if column is not None and kept[column]:
-                continue
+            if column is not None:
+                if kept[column]:
+                    continue
+                missed.add(column)
             redo.add(j)
             stack.extend(layout.inputs[j])
         schedule += sorted(redo) + list(block)
-    return schedule
+    return schedule, missed
+
+
+def _fill(graph: CostGraph, relax: _Relaxation, plan: RematPlan, kept: np.ndarray,
+          x: np.ndarray, budget_bytes: int, outputs: Sequence[int], deadline: float
+          ) -> RematPlan:
+    """Greedy checkpoint filling after phase 2: keep the checkpoints whose absence makes the
+    rounded plan recompute, in decreasing order of their LP value, while the replayed plan
+    still fits the budget.
+
+    More checkpoints never mean more recomputation (phase 2 recomputes a subset), so a plan
+    that fits is kept. Runs of candidates are tried at once, doubled on success and halved on
+    failure: about (rejected candidates) x log(candidates) replays. Stops at ``deadline``
+    (``time.perf_counter``).
+    """
+    missed = _round(graph, relax, kept)[1]
+    rejected: set[int] = set()
+    run = len(missed)
+    while time.perf_counter() < deadline:
+        candidates = sorted(missed - rejected, key=lambda c: (-x[c], c))
+        if not candidates:
+            break
+        trial = kept.copy()
+        trial[candidates[:run]] = True
+        schedule, trial_missed = _round(graph, relax, trial)
+        candidate = plan_from_schedule(graph, schedule, budget_bytes, "checkmate_lp",
+                                       plan.stats, outputs)
+        if candidate.peak_bytes <= budget_bytes:
+            plan, kept, missed, run = candidate, trial, trial_missed, 2 * run
+        elif run > 1:
+            run //= 2
+        else:
+            rejected.add(candidates[0])
+    return plan
 
 
 def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] = (),
-                 time_limit_s: float = 60.0, max_groups: int = MAX_GROUPS,
+                 time_limit_s: float = 60.0, max_groups: int | None = None,
+                 max_nonzeros: float = MAX_NONZEROS,
                  seed: int = 0) -> RematPlan:
     """A plan within ``budget_bytes`` from Checkmate's LP relaxation and two-phase rounding.
 
@@ -336,7 +456,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     """
     minimum = check_budget(graph, budget_bytes, outputs)
     start = time.perf_counter()
-    relax = _relaxation(graph, budget_bytes, outputs, max_groups, MAX_NONZEROS)
+    relax = _relaxation(graph, budget_bytes, outputs, max_groups, max_nonzeros)
     build_s = time.perf_counter() - start
     persistent = float(graph.persistent_bytes.sum())
     rng = np.random.default_rng(seed)
@@ -371,13 +491,13 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
             if key in tried:   # the same checkpoints as an earlier rounding
                 lowest = min(lowest, tried[key])
                 continue
-            plan = plan_from_schedule(graph, _round(graph, relax, kept), budget_bytes,
+            plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
                                       "checkmate_lp", {}, outputs)
             tried[key] = plan.peak_bytes
             lowest = min(lowest, plan.peak_bytes)
             if plan.peak_bytes <= budget_bytes and (best is None
                                                     or plan.compute_us < best.compute_us):
-                best = plan
+                best, best_kept, best_x = plan, kept, x
                 best.stats.update(rounding=kind, threshold=threshold, budget_scale=scale)
         # Persistent bytes are no rounding's to save: scale what the LP decides on.
         scale = min(scale * SCALE_STEP, scale * (budget_bytes - persistent)
@@ -387,8 +507,11 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
             f"no rounding of Checkmate's LP fits {budget_bytes} bytes ({solves} LP solves, "
             f"down to {tried_scale:.2f} of the budget, in "
             f"{time.perf_counter() - start:.1f} s); raise the budget or use the DTR simulator")
+    rounded_overhead = best.overhead
+    best = _fill(graph, relax, best, best_kept, best_x, budget_bytes, outputs,
+                 start + time_limit_s)
     best.stats.update(
-        lp_overhead=lp_overhead, lp_is_bound=not relax.grouped, grouped=relax.grouped,
+        lp_overhead=lp_overhead, rounded_overhead=rounded_overhead, lp_is_bound=not relax.grouped, grouped=relax.grouped,
         lp_solves=solves, lp_s=lp_s, build_s=build_s, solve_s=time.perf_counter() - start,
         num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
         num_variables=len(relax.cost), num_constraints=relax.matrix.shape[0],
