@@ -21,15 +21,18 @@ relaxation of the same model:
   row is implied by the MILP's ``U`` rows, so ``FREE`` and ``U`` can go: a relaxation. A row is
   kept only where it is not implied by a later op's row of the same stage. It ignores the
   memory of the recomputations themselves; the replay measures that, and the LP is re-solved
-  at a lower budget when no rounding fits (Checkmate does the same).
-- **Groups, on graphs with more than ``max_groups`` decision ops** (fewer groups still when
-  the LP would have more than ``MAX_NONZEROS`` nonzeros). Consecutive decision ops
-  (in topological order) form one group: one stage, one ``R`` per (stage, group) and one
-  checkpoint unit for all the tensors the group's ops pass to later stages (an ``R`` costs the
-  whole group's compute). This coarsens the *nodes* the LP decides on, not only the stages:
-  the model has at most ``max_groups`` stages and units, so O(max_groups²) variables whatever
-  the graph. The rounding still works op by op (phase 2 recomputes only the ops of a group
-  whose outputs are needed).
+  at a lower budget when no rounding fits (Checkmate does the same). Rows for each
+  recomputation (its outputs, inputs and temporary bytes over the checkpoints of the stage,
+  with a running sum) were tried: at the 4 feasible points of 4 synthetic graphs x 3 budgets
+  and on mlp/activations at 0.7 and 0.5 the LP's value did not change (its fractional checkpoints, not recomputation
+  memory, are what makes it loose), while the LP grew 40% and solved 3-20x slower.
+- **Groups, only when the LP would have more than ``MAX_NONZEROS`` nonzeros** (or more than
+  ``max_groups`` decision ops, if given). Consecutive decision ops (in topological order)
+  form one group: one stage, one ``R`` per (stage, group) and one checkpoint unit for all the
+  tensors the group's ops pass to later stages (an ``R`` costs the whole group's compute).
+  This coarsens the *nodes* the LP decides on, not only the stages; the number of groups is
+  the square root of the excess smaller than the number of decision ops. The rounding still
+  works op by op (phase 2 recomputes only the ops of a group whose outputs are needed).
 
 Without groups the LP is a relaxation of the MILP on the same stages, so its objective is a
 lower bound on the MILP's optimum (``stats["lp_is_bound"]``). With groups it is the relaxation
@@ -41,6 +44,10 @@ ops, after whatever that recomputation reads and is not checkpointed either (rec
 producer whose fixed inputs have died cannot be recomputed and keeps its output. The schedule
 becomes a plan through ``remat.schedule`` (each tensor freed after its last read) and is
 replayed by ``remat.validate``; only plans whose replayed peak fits the budget are returned.
+The best rounding is then filled greedily (``_fill``): the checkpoints whose absence made it
+recompute are added back, highest LP value first, while the replayed plan still fits. Phase 1
+alone must leave slack everywhere the LP's fractions put it; the fill spends the slack the
+replay shows (on mlp/activations at 0.5 it took the plan from 1.196 to 1.067, LP 1.065).
 
 References:
     Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica, Gonzalez, "Checkmate: Breaking the
@@ -95,7 +102,6 @@ class _Relaxation:
     S: dict                       # (stage, unit) -> column
     R: dict                       # (stage, group) -> column
     cost: np.ndarray
-    upper: np.ndarray             # per column: 1, or inf for the running sums of bytes
     matrix: scipy.sparse.csr_array
     b_fixed: np.ndarray           # rows' bounds that do not depend on the budget
     memory_rows: np.ndarray       # row ids of the memory rows
@@ -162,9 +168,8 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             if starts[s] <= group_until[g]:
                 R[s, g] = len(cost)
                 cost.append(group_cost)
-    # Nonzeros, about: the rows a recomputation reads through and its memory row, and ~6 per
-    # checkpoint.
-    estimate = sum(6 + 3 * len(reads_group[g]) for _, g in R) + 6 * len(S)
+    # Nonzeros, about: the rows a recomputation reads through, and ~5 per checkpoint.
+    estimate = sum(4 + 2 * len(reads_group[g]) for _, g in R) + 5 * len(S)
     if estimate > max_nonzeros and num_stages > 1:
         fewer = max(1, int(num_stages * math.sqrt(max_nonzeros / estimate)))
         return _relaxation(graph, budget_bytes, outputs, fewer)
@@ -196,10 +201,10 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             uses = [t for u in units_of_group[g] for t in readers_in(s, u)
                     + ([(S[s + 1, u], -1.0)] if (s + 1, u) in S else [])]
             row([(v, 1.0)] + uses, 0.0)
-        if len(members[g]) == 1:  # an op is not recomputed while an output is resident
-            for u in units_of_group[g]:
-                if (s, u) in S:
-                    row([(v, 1.0), (S[s, u], 1.0)], 1.0)
+        ops = members[g]
+        if len(ops) == 1 and len(graph.op_outputs(ops[0])) == 1 and (s, unit_of[
+                graph.output_offset[ops[0]]]) in S:  # not recomputed while resident
+            row([(v, 1.0), (S[s, int(unit_of[graph.output_offset[ops[0]]])], 1.0)], 1.0)
     for (s, u), v in S.items():
         g = unit_group[u]
         if s > g + 1:               # checkpoints persist only if resident or recomputed
@@ -253,90 +258,10 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             memory_rows.append(len(bound))
             memory_const.append(highest)
             row(terms, 0.0)
-    num_bounded = len(cost)
-    if not grouped:  # the memory of each recomputation (the rows need one op per group)
-        temp = graph.temp_bytes / unit_bytes
-        recomputed: list[list[int]] = [[] for _ in blocks]
-        for s, g in sorted(R):
-            recomputed[s].append(g)
-        for s, groups in enumerate(recomputed):
-            if not groups:
-                continue
-            sums, memory = _recomputation_rows(
-                graph, s, groups, S, R, reads_block[s], kept_into[s + 1], members, decision,
-                unit_of, unit_group, unit_tensors, size, temp, cost)
-            for terms in sums:
-                row(terms, 0.0)
-            for terms in memory:
-                memory_rows.append(len(bound))
-                memory_const.append(alive[blocks[s].start])
-                row(terms, 0.0)
-    upper = np.where(np.arange(len(cost)) < num_bounded, 1.0, np.inf)  # running sums: >= 0
     matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
-    return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), upper, matrix,
+    return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
                        np.array(memory_const), unit_bytes, grouped)
-
-
-def _recomputation_rows(graph: CostGraph, s: int, groups: list[int], S: dict, R: dict,
-                        read: set[int], kept: list[int], members: list[list[int]],
-                        decision: np.ndarray, unit_of: np.ndarray, unit_group: list[int],
-                        unit_tensors: list[list[int]],
-                        size: np.ndarray, temp: np.ndarray, cost: list[float]
-                        ) -> tuple[list[list[tuple[int, float]]], list[list[tuple[int, float]]]]:
-    """The rows bounding the memory of stage ``s``'s recomputations ``groups`` (ungrouped
-    model: a group is one op, a unit one tensor), in topological order as the MILP runs them.
-
-    When op ``j`` is recomputed these are resident in any MILP schedule, besides the fixed
-    tensors alive: ``j``'s outputs, temporary bytes and inputs; each tensor of an earlier stage
-    that the stage's first computations read (``read``), if checkpointed into the stage or
-    recomputed before ``j``; each checkpoint into the next stage (``kept``) made before ``j``
-    (resident since the stage began, or since its recomputation). An op is never recomputed
-    while an output of it is checkpointed (a valid inequality of ``_relaxation``), so no
-    tensor counts twice. The bytes that grow with ``j`` are a running sum: a new column
-    (``cost`` grows) and a row each time it grows, not a row as long as the stage's
-    checkpoints per recomputation.
-
-    Returns:
-        The running-sum rows (``<= 0``) and the memory rows (``<= capacity - fixed``).
-    """
-    producer = graph.tensor_producer
-
-    def column() -> int:
-        cost.append(0.0)
-        return len(cost) - 1
-
-    def bytes_of(u: int) -> float:
-        return float(size[unit_tensors[u][0]])
-
-    total = column()   # the running sum, first of the checkpoints the stage's own ops read
-    sums = [[(total, -1.0)] + [(S[s, u], bytes_of(u)) for u in read if (s, u) in S]]
-    # Units that join the sum once the recomputations pass their producer.
-    joining = sorted((unit_group[u], u) for u in read | set(kept))
-    memory, p = [], 0
-    for g in groups:
-        added = []
-        while p < len(joining) and joining[p][0] < g:
-            h, u = joining[p]
-            p += 1
-            column_u = R.get((s, h)) if u in read else S.get((s + 1, u))
-            if column_u is not None:
-                added.append((column_u, bytes_of(u)))
-        if added:
-            previous, total = total, column()
-            sums.append([(total, -1.0), (previous, 1.0)] + added)
-        (j,) = members[g]
-        terms = [(total, 1.0)]
-        own = float(size[list(graph.op_outputs(j))].sum()) + float(temp[j])
-        for x in dict.fromkeys(graph.op_inputs(j).tolist()):
-            u = int(unit_of[x])
-            if not decision[producer[x]] or size[x] == 0 or u in read:
-                continue  # fixed (alive anyway), or in the running sum whenever resident
-            own += float(size[x])
-            if (s + 1, u) in S:  # in the running sum as a checkpoint kept: not twice
-                terms.append((S[s + 1, u], -float(size[x])))
-        memory.append(terms + [(R[s, g], own)])
-    return sums, memory
 
 
 def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
@@ -351,8 +276,7 @@ def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
         return None, None   # some stage's own working set does not fit
     # Dual simplex: on these LPs 6-13x faster than HiGHS's interior point (with or without
     # crossover), e.g. 0.75 s vs 9.5 s on mlp/activations (12k variables, 31k rows).
-    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b,
-                     bounds=np.stack([np.zeros(len(relax.cost)), relax.upper], axis=1),
+    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0),
                      method="highs-ds", options={"time_limit": max(float(time_limit_s), 1.0)})
     if result.status == 2:
         return None, None
@@ -437,17 +361,22 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         outputs: tensor ids kept resident until the step ends (fetches).
         time_limit_s: for all LP solves together; when it runs out, the best plan so far.
         max_groups: at most this many stages (and checkpoint units); more decision ops are
-            grouped (module docstring).
+            grouped (module docstring). ``None``: one stage per decision op unless the LP
+            would have more than ``max_nonzeros`` nonzeros.
+        max_nonzeros: the LP size (nonzeros, estimated) above which decision ops are grouped
+            into fewer stages (module docstring).
         seed: of the randomized roundings.
 
     Returns:
         The cheapest rounded plan whose replayed peak fits the budget. ``stats``:
         ``lp_overhead`` (1 + the LP's objective at the full budget), ``lp_is_bound`` (the LP
         relaxes the MILP on the same stages, so ``lp_overhead`` is a lower bound on its
-        optimum; False when grouped), ``rounding`` ("threshold" or "random"), ``threshold``,
-        ``budget_scale`` of the chosen plan, ``lp_solves``, ``lp_s`` (HiGHS time),
-        ``build_s``, ``solve_s`` (all of it), ``num_stages``, ``num_units``, ``num_variables``,
-        ``num_constraints``, ``grouped``, ``minimum_bytes``.
+        optimum; False when grouped), ``rounded_overhead`` (the best rounding's, before
+        ``_fill``), ``rounding`` ("threshold" or "random"), ``threshold``, ``budget_scale``
+        of the chosen rounding, ``lp_solves``, ``lp_s`` (HiGHS time), ``build_s``,
+        ``solve_s`` (all of it), ``num_decision_ops``, ``num_stages`` (one per decision op
+        unless grouped), ``num_units``, ``num_variables``, ``num_constraints``,
+        ``num_nonzeros``, ``grouped``, ``minimum_bytes``.
 
     Raises:
         InfeasibleBudgetError: below ``remat.validate.minimum_budget_bytes``, or the LP at the
@@ -515,5 +444,6 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         lp_solves=solves, lp_s=lp_s, build_s=build_s, solve_s=time.perf_counter() - start,
         num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
         num_variables=len(relax.cost), num_constraints=relax.matrix.shape[0],
+        num_nonzeros=relax.matrix.nnz, num_decision_ops=int(relax.layout.decision.sum()),
         minimum_bytes=minimum)
     return best
