@@ -87,7 +87,10 @@ SCALE_STEP = 0.97
 MIN_SCALE = 0.5
 # Nonzeros of the LP's matrix (estimated before its rows are built) above which consecutive
 # decision ops are grouped (module docstring; the square root of the excess fewer stages).
-MAX_NONZEROS = 120_000
+# Dual simplex on 2 shared cores (load 8-10): 1-2 s at 100-160k nonzeros, 2-5 s at 260-320k,
+# 6 s at 430k (inception_v3), but 148 s at 540k (transformer) and over 300 s at 720k
+# (resnet/activations, ungrouped): the time jumps between 430k and 540k.
+MAX_NONZEROS = 350_000
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
 
@@ -108,12 +111,15 @@ class _Relaxation:
     memory_const: np.ndarray      # their constant bytes (in units)
     unit_bytes: float
     grouped: bool
+    first_estimate: int           # estimated nonzeros of the model asked for (before grouping)
 
 
 def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
-                max_groups: int | None, max_nonzeros: float = math.inf) -> _Relaxation:
+                max_groups: int | None, max_nonzeros: float = math.inf,
+                first_estimate: int | None = None) -> _Relaxation:
     """Build the sparse relaxation of Checkmate's model (module docstring); with fewer groups
-    when its matrix would have more than about ``max_nonzeros`` nonzeros."""
+    when its matrix would have more than about ``max_nonzeros`` nonzeros (``first_estimate``:
+    the estimated nonzeros of the model asked for, when this is a regrouping)."""
     producer = graph.tensor_producer
     layout = stages(graph, None, outputs, max_groups)
     inputs, decision, blocks = layout.inputs, layout.decision, layout.blocks
@@ -154,6 +160,22 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
         for u in units:
             readers_of_unit[u].append(g)
 
+    # The stages in which each group may be recomputed: after its own, while its outputs are
+    # needed and its fixed inputs alive (starts are increasing).
+    recompute_last = [min(max((unit_need[u] for u in units_of_group[g]), default=-1),
+                          int(np.searchsorted(starts, group_until[g], side="right")) - 1)
+                      for g in range(num_stages)]
+    # Nonzeros, about (within 10% on mlp, resnet, transformer): the rows a recomputation reads
+    # through, and ~7 per checkpoint. Counted before any column exists: the full model of a
+    # large graph has tens of millions.
+    estimate = sum(max(0, last - g) * (6 + 3 * len(reads_group[g]))
+                   for g, last in enumerate(recompute_last))
+    estimate += 7 * sum(need - g for g, need in zip(unit_group, unit_need))
+    first_estimate = estimate if first_estimate is None else first_estimate
+    if estimate > max_nonzeros and num_stages > 1:
+        fewer = min(num_stages - 1, max(1, int(num_stages * math.sqrt(max_nonzeros / estimate))))
+        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate)
+
     baseline_us = float(graph.compute_us.sum()) or 1.0
     cost: list[float] = []
     S, R = {}, {}
@@ -162,17 +184,10 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             S[s, u] = len(cost)
             cost.append(0.0)
     for g, ops in enumerate(members):
-        last = max((unit_need[u] for u in units_of_group[g]), default=-1)
         group_cost = float(graph.compute_us[ops].sum()) / baseline_us
-        for s in range(g + 1, last + 1):
-            if starts[s] <= group_until[g]:
-                R[s, g] = len(cost)
-                cost.append(group_cost)
-    # Nonzeros, about: the rows a recomputation reads through, and ~5 per checkpoint.
-    estimate = sum(4 + 2 * len(reads_group[g]) for _, g in R) + 5 * len(S)
-    if estimate > max_nonzeros and num_stages > 1:
-        fewer = max(1, int(num_stages * math.sqrt(max_nonzeros / estimate)))
-        return _relaxation(graph, budget_bytes, outputs, fewer)
+        for s in range(g + 1, recompute_last[g] + 1):
+            R[s, g] = len(cost)
+            cost.append(group_cost)
 
     rows, cols, vals, bound = [], [], [], []
 
@@ -259,9 +274,13 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             memory_const.append(highest)
             row(terms, 0.0)
     matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
+    if matrix.nnz > 1.1 * max_nonzeros and num_stages > 1:  # the estimate was low (gnmt_v2)
+        fewer = min(num_stages - 1, int(num_stages * math.sqrt(max_nonzeros / matrix.nnz)))
+        return _relaxation(graph, budget_bytes, outputs, max(1, fewer), max_nonzeros,
+                           first_estimate)
     return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
-                       np.array(memory_const), unit_bytes, grouped)
+                       np.array(memory_const), unit_bytes, grouped, first_estimate)
 
 
 def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
@@ -281,8 +300,10 @@ def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
     if result.status == 2:
         return None, None
     if result.x is None or result.status not in (0, 4):
-        raise NoScheduleFoundError(f"HiGHS did not solve Checkmate's LP relaxation within "
-                                   f"{time_limit_s:.0f} s ({result.message})")
+        raise NoScheduleFoundError(
+            f"HiGHS did not solve Checkmate's LP relaxation ({len(relax.cost)} columns, "
+            f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) within "
+            f"{time_limit_s:.0f} s ({result.message}); lower max_nonzeros to group more")
     return np.clip(result.x, 0.0, 1.0), float(relax.cost @ result.x)
 
 
@@ -376,7 +397,8 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         of the chosen rounding, ``lp_solves``, ``lp_s`` (HiGHS time), ``build_s``,
         ``solve_s`` (all of it), ``num_decision_ops``, ``num_stages`` (one per decision op
         unless grouped), ``num_units``, ``num_variables``, ``num_constraints``,
-        ``num_nonzeros``, ``grouped``, ``minimum_bytes``.
+        ``num_nonzeros``, ``requested_nonzeros_estimate`` (of the model asked for, before
+        grouping: the full one by default), ``grouped``, ``minimum_bytes``.
 
     Raises:
         InfeasibleBudgetError: below ``remat.validate.minimum_budget_bytes``, or the LP at the
@@ -445,5 +467,6 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
         num_variables=len(relax.cost), num_constraints=relax.matrix.shape[0],
         num_nonzeros=relax.matrix.nnz, num_decision_ops=int(relax.layout.decision.sum()),
+        requested_nonzeros_estimate=relax.first_estimate,
         minimum_bytes=minimum)
     return best

@@ -134,7 +134,8 @@ def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
     if planner == "checkmate_lp":
         row.update({k: plan.stats[k] for k in (
             "lp_overhead", "lp_is_bound", "rounded_overhead", "grouped", "num_decision_ops",
-            "num_stages", "num_variables", "num_constraints", "num_nonzeros", "lp_s",
+            "num_stages", "num_variables", "num_constraints", "num_nonzeros",
+            "requested_nonzeros_estimate", "lp_s",
             "lp_solves", "rounding", "budget_scale")})
     return row
 
