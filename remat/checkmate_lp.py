@@ -24,8 +24,9 @@ relaxation of the same model:
   at a lower budget when no rounding fits (Checkmate does the same). Rows for each
   recomputation (its outputs, inputs and temporary bytes over the checkpoints of the stage,
   with a running sum) were tried: at the 4 feasible points of 4 synthetic graphs x 3 budgets
-  and on mlp/activations at 0.7 and 0.5 the LP's value did not change (its fractional checkpoints, not recomputation
-  memory, are what makes it loose), while the LP grew 40% and solved 3-20x slower.
+  and on mlp/activations at 0.7 and 0.5 the LP's value did not change (its fractional
+  checkpoints, not recomputation memory, are what makes it loose), while the LP grew 40% and
+  solved 3-20x slower.
 - **Groups, only when the LP would have more than ``MAX_NONZEROS`` nonzeros** (or more than
   ``max_groups`` decision ops, if given). Consecutive decision ops (in topological order)
   form one group: one stage, one ``R`` per (stage, group) and one checkpoint unit for all the
@@ -410,10 +411,11 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         ``lp_overhead`` (1 + the LP's objective at the full budget), ``lp_is_bound`` (the LP
         relaxes the MILP on the same stages, so ``lp_overhead`` is a lower bound on its
         optimum; False when grouped), ``rounded_overhead`` (the best rounding's, before
-        ``_fill``), ``fill_order`` (the greedy order of the better fill), ``rounding`` ("threshold" or "random"), ``threshold``, ``budget_scale``
-        of the chosen rounding, ``lp_solves``, ``lp_s`` (HiGHS time), ``build_s``,
-        ``solve_s`` (all of it), ``num_decision_ops``, ``num_stages`` (one per decision op
-        unless grouped), ``num_units``, ``num_variables``, ``num_constraints``,
+        ``_fill``), ``fill_order`` (the greedy order of the better fill), ``rounding``
+        ("threshold", "random", or "none": no checkpoint, the fallback), ``threshold``,
+        ``budget_scale`` of the chosen rounding, ``lp_solves``, ``lp_s`` (HiGHS time),
+        ``build_s``, ``solve_s`` (all of it), ``num_decision_ops``, ``num_stages`` (one per
+        decision op unless grouped), ``num_units``, ``num_variables``, ``num_constraints``,
         ``num_nonzeros``, ``requested_nonzeros_estimate`` (of the model asked for, before
         grouping: the full one by default), ``grouped``, ``minimum_bytes``.
 
@@ -431,6 +433,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     s_columns = np.array(sorted(relax.S.values()), dtype=np.int64)
     best, lp_overhead, solves, lp_s, tried, scale = None, None, 0, 0.0, {}, 1.0
     feasible = tried_scale = 1.0  # the lowest scale whose LP is feasible, the last tried
+    last_x = None                 # the LP's solution there
     while best is None and scale >= MIN_SCALE:
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
@@ -448,7 +451,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
                 break
             scale = (feasible + scale) / 2  # overshot: halfway back
             continue
-        feasible = scale
+        feasible, last_x = scale, x
         if scale == 1.0:
             lp_overhead = 1.0 + objective
         roundings = [("threshold", t, x >= t) for t in THRESHOLDS]
@@ -470,6 +473,15 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         # Persistent bytes are no rounding's to save: scale what the LP decides on.
         scale = min(scale * SCALE_STEP, scale * (budget_bytes - persistent)
                     / max(lowest - persistent, 1.0))
+    if best is None and last_x is not None:
+        # Last resort, a start for the fill: no checkpoint kept, every read of an earlier
+        # stage recomputed (less memory than any rounding on mlp/default at 0.9, 7.4x compute).
+        kept = np.zeros(len(relax.cost), dtype=bool)
+        plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
+                                  "checkmate_lp", {}, outputs)
+        if plan.peak_bytes <= budget_bytes:
+            best, best_kept, best_x = plan, kept, last_x
+            best.stats.update(rounding="none", threshold=None, budget_scale=feasible)
     if best is None:
         raise NoScheduleFoundError(
             f"no rounding of Checkmate's LP fits {budget_bytes} bytes ({solves} LP solves, "
@@ -486,7 +498,8 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
             best = filled
             best.stats["fill_order"] = order
     best.stats.update(
-        lp_overhead=lp_overhead, rounded_overhead=rounded_overhead, lp_is_bound=not relax.grouped, grouped=relax.grouped,
+        lp_overhead=lp_overhead, rounded_overhead=rounded_overhead,
+        lp_is_bound=not relax.grouped, grouped=relax.grouped,
         lp_solves=solves, lp_s=lp_s, build_s=build_s, solve_s=time.perf_counter() - start,
         num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
         num_variables=len(relax.cost), num_constraints=relax.matrix.shape[0],
