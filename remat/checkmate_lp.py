@@ -47,9 +47,10 @@ becomes a plan through ``remat.schedule`` (each tensor freed after its last read
 replayed by ``remat.validate``; only plans whose replayed peak fits the budget are returned.
 The best rounding is then filled greedily (``_fill``): the checkpoints whose absence made it
 recompute are added back, highest LP value (or, second try, compute saved per byte) first,
-while the replayed plan still fits. Phase 1
-alone must leave slack everywhere the LP's fractions put it; the fill spends the slack the
-replay shows (on mlp/activations at 0.5 it took the plan from 1.196 to 1.067, LP 1.065).
+while the replayed plan still fits. Phase 1 alone leaves slack wherever the LP's fractions
+put it; the fill spends the slack the replay shows (on mlp/activations at 0.5 it took the plan
+from 1.196 to 1.067, LP 1.065). When no rounding fits at any LP budget, the fill starts from
+no checkpoint at all (every read of an earlier stage recomputed), if that fits.
 
 References:
     Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica, Gonzalez, "Checkmate: Breaking the
