@@ -424,9 +424,10 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         grouping: the full one by default), ``grouped``, ``minimum_bytes``.
 
     Raises:
-        InfeasibleBudgetError: below ``remat.validate.minimum_budget_bytes``, or the LP at the
-            full budget is infeasible (then so is the MILP on these stages).
-        NoScheduleFoundError: no rounding fits the budget (within the time limit).
+        InfeasibleBudgetError: below ``remat.validate.minimum_budget_bytes``, or the ungrouped
+            LP at the full budget is infeasible (then so is the MILP on these stages).
+        NoScheduleFoundError: no rounding fits the budget (within the time limit), or the
+            grouped LP is infeasible (a restricted model: that proves nothing).
     """
     start = time.perf_counter()
     minimum = check_budget(graph, budget_bytes, outputs)
@@ -447,6 +448,12 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         lp_s += time.perf_counter() - begin
         solves += 1
         if x is None:
+            if scale == 1.0 and relax.grouped:
+                raise NoScheduleFoundError(
+                    f"the grouped LP ({len(relax.layout.blocks)} stages for "
+                    f"{int(relax.layout.decision.sum())} decision ops) has no solution within "
+                    f"{budget_bytes} bytes; the full model may have one: raise max_nonzeros "
+                    "or use the DTR simulator")
             if scale == 1.0:
                 raise InfeasibleBudgetError(
                     f"Checkmate's LP relaxation has no solution within {budget_bytes} bytes, so "
@@ -462,6 +469,8 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         roundings += [("random", None, rng.random(len(x)) < x) for _ in range(RANDOM_ROUNDINGS)]
         lowest = np.inf
         for kind, threshold, kept in roundings:
+            if time.perf_counter() > start + time_limit_s:
+                break   # out of time
             key = kept[s_columns].tobytes()
             if key in tried:   # the same checkpoints as an earlier rounding
                 lowest = min(lowest, tried[key])

@@ -110,3 +110,14 @@ def test_a_tight_budget_gives_an_error_or_a_plan_within_it_never_one_over():
             assert "raise the budget" in str(error)
         else:
             assert replay_plan(g, plan).peak_bytes <= budget
+
+
+def test_an_infeasible_grouped_lp_is_no_proof_of_infeasibility():
+    """Grouping restricts the model: when its LP has no solution the error says so and does not
+    claim that the budget is infeasible (the full LP plans at the same budget)."""
+    g = activation_heavy(training_like(60, seed=2))
+    budget = _between(g, 0.1)
+    plan = checkmate_lp(g, budget)
+    assert replay_plan(g, plan).peak_bytes <= budget
+    with pytest.raises(NoScheduleFoundError, match="grouped LP .* full model may have one"):
+        checkmate_lp(g, budget, max_groups=4)

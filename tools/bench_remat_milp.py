@@ -135,7 +135,7 @@ def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
         row.update({k: plan.stats[k] for k in (
             "lp_overhead", "lp_is_bound", "rounded_overhead", "grouped", "num_decision_ops",
             "num_stages", "num_variables", "num_constraints", "num_nonzeros",
-            "requested_nonzeros_estimate", "lp_s",
+            "requested_nonzeros_estimate", "fill_order", "lp_s",
             "lp_solves", "rounding", "budget_scale")})
     return row
 
@@ -270,9 +270,10 @@ def _lp_cells(lp: dict) -> str:
     shape = ("full" if not lp["grouped"]
              else f"/{lp['num_decision_ops'] / lp['num_stages']:.1f}")
     value = f"{'≥' if lp['lp_is_bound'] else '~'}{lp['lp_overhead']:.3f}"
+    plan = f"{lp['overhead']:.3f}" if lp["within_budget"] else _cell(lp)
     return (f"{shape:>6}{lp['num_decision_ops']:>7}{lp['num_stages']:>7}"
             f"{lp['num_variables']:>9}{lp['num_nonzeros']:>9}{lp['lp_s']:>7.1f}"
-            f"{lp['seconds']:>7.1f}{value:>8}{lp['rounded_overhead']:>8.3f}{_cell(lp):>8}")
+            f"{lp['seconds']:>7.1f}{value:>8}{lp['rounded_overhead']:>8.3f}{plan:>8}")
 
 
 def _zoo_table(rows: list[dict]) -> str:
