@@ -305,8 +305,9 @@ def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
     if result.x is None or result.status not in (0, 4):
         raise NoScheduleFoundError(
             f"HiGHS did not solve Checkmate's LP relaxation ({len(relax.cost)} columns, "
-            f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) within "
-            f"{time_limit_s:.0f} s ({result.message}); lower max_nonzeros to group more")
+            f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) in the "
+            f"{time_limit_s:.0f} s left of the time limit ({result.message}); raise the time "
+            "limit, or lower max_nonzeros to group more")
     return np.clip(result.x, 0.0, 1.0), float(relax.cost @ result.x)
 
 
@@ -356,8 +357,8 @@ def _saved_per_byte(graph: CostGraph, relax: _Relaxation) -> np.ndarray:
 
 
 def _fill(graph: CostGraph, relax: _Relaxation, plan: RematPlan, kept: np.ndarray,
-          priority: np.ndarray, budget_bytes: int, outputs: Sequence[int], deadline: float
-          ) -> RematPlan:
+          priority: np.ndarray, budget_bytes: int, outputs: Sequence[int], deadline: float,
+          replay_s: float) -> RematPlan:
     """Greedy checkpoint filling after phase 2: keep the checkpoints whose absence makes the
     rounded plan recompute, highest ``priority`` (per LP column) first, while the replayed
     plan still fits the budget.
@@ -366,11 +367,11 @@ def _fill(graph: CostGraph, relax: _Relaxation, plan: RematPlan, kept: np.ndarra
     that fits is kept. Runs of candidates are tried at once, doubled on success and halved on
     failure: about (rejected candidates) x log(candidates) replays. Stops before
     ``deadline`` (``time.perf_counter``): no replay starts that would end after it if it took
-    1.5 times the last one.
+    1.5 times the last one (``replay_s``, the time of one before the first).
     """
     missed = _round(graph, relax, kept)[1]
     rejected: set[int] = set()
-    run, replay_s = len(missed), 0.0
+    run = len(missed)
     while time.perf_counter() + 1.5 * replay_s < deadline:
         candidates = sorted(missed - rejected, key=lambda c: (-priority[c], c))
         if not candidates:
@@ -439,6 +440,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     best, lp_overhead, solves, lp_s, tried, scale = None, None, 0, 0.0, {}, 1.0
     feasible = tried_scale = 1.0  # the lowest scale whose LP is feasible, the last tried
     last_x = None                 # the LP's solution there
+    replay_s = 0.0                # the time of the last rounding's replay
     while best is None and scale >= MIN_SCALE:
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
@@ -475,8 +477,10 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
             if key in tried:   # the same checkpoints as an earlier rounding
                 lowest = min(lowest, tried[key])
                 continue
+            begin = time.perf_counter()
             plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
                                       "checkmate_lp", {}, outputs)
+            replay_s = time.perf_counter() - begin
             tried[key] = plan.peak_bytes
             lowest = min(lowest, plan.peak_bytes)
             if plan.peak_bytes <= budget_bytes and (best is None
@@ -486,7 +490,8 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         # Persistent bytes are no rounding's to save: scale what the LP decides on.
         scale = min(scale * SCALE_STEP, scale * (budget_bytes - persistent)
                     / max(lowest - persistent, 1.0))
-    if best is None and last_x is not None:
+    if (best is None and last_x is not None
+            and time.perf_counter() + replay_s < start + time_limit_s):
         # Last resort, a start for the fill: no checkpoint kept, every read of an earlier
         # stage recomputed (less memory than any rounding on mlp/default at 0.9, 7.4x compute).
         kept = np.zeros(len(relax.cost), dtype=bool)
@@ -506,7 +511,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     rounded_overhead, rounded = best.overhead, best
     for order, priority in (("lp", best_x), ("saved_per_byte", _saved_per_byte(graph, relax))):
         filled = _fill(graph, relax, rounded, best_kept, priority, budget_bytes, outputs,
-                       start + time_limit_s)
+                       start + time_limit_s, replay_s)
         if filled.compute_us < best.compute_us or best is rounded:
             best = filled
             best.stats["fill_order"] = order
