@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from graphfit.profiler.synthetic import training_like
-from graphfit.remat import baselines, checkmate_lp as lp_module
+from graphfit.remat import baselines, checkmate_lp as lp_module, simulator
 from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp
 from graphfit.remat.checkmate_lp import checkmate_lp
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
@@ -35,6 +35,30 @@ def test_lp_bound_below_the_milp_optimum_below_the_rounded_plan(graph, budget):
     replay = replay_plan(graph, plan)
     assert replay.peak_bytes == plan.peak_bytes <= budget
     assert plan.method == "checkmate_lp"
+    # Filling only removes recomputations of the best rounding.
+    assert plan.overhead <= plan.stats["rounded_overhead"] + 1e-12
+    # The bound holds against any plan within the budget, the simulator's too.
+    for heuristic in ("dtr", "offline"):
+        try:
+            other = simulator.simulate(graph, budget, heuristic)
+        except simulator.RematError:
+            continue
+        assert plan.stats["lp_overhead"] <= other.overhead + 1e-6
+
+
+def test_groups_only_when_the_nonzeros_demand_them():
+    """By default the LP has one stage per decision op; above ``max_nonzeros`` it groups,
+    and says so (its value is then no bound)."""
+    g = activation_heavy(training_like(120, seed=3), 64)
+    budget = int(0.95 * baselines.checkpoint_all(g).peak_bytes)
+    full = checkmate_lp(g, budget)
+    assert not full.stats["grouped"] and full.stats["lp_is_bound"]
+    assert full.stats["num_stages"] >= full.stats["num_decision_ops"]
+    small = checkmate_lp(g, budget, max_nonzeros=full.stats["num_nonzeros"] / 4)
+    assert small.stats["grouped"] and not small.stats["lp_is_bound"]
+    assert small.stats["num_stages"] < full.stats["num_decision_ops"]
+    assert small.stats["num_nonzeros"] < full.stats["num_nonzeros"] / 2
+    assert replay_plan(g, small).peak_bytes <= budget
 
 
 def test_grouped_relaxation_is_small_and_its_plan_is_valid():
@@ -86,3 +110,14 @@ def test_a_tight_budget_gives_an_error_or_a_plan_within_it_never_one_over():
             assert "raise the budget" in str(error)
         else:
             assert replay_plan(g, plan).peak_bytes <= budget
+
+
+def test_an_infeasible_grouped_lp_is_no_proof_of_infeasibility():
+    """Grouping restricts the model: when its LP has no solution the error says so and does not
+    claim that the budget is infeasible (the full LP plans at the same budget)."""
+    g = activation_heavy(training_like(60, seed=2))
+    budget = _between(g, 0.1)
+    plan = checkmate_lp(g, budget)
+    assert replay_plan(g, plan).peak_bytes <= budget
+    with pytest.raises(NoScheduleFoundError, match="grouped LP .* full model may have one"):
+        checkmate_lp(g, budget, max_groups=4)

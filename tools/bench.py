@@ -24,6 +24,7 @@ BENCHMARKS = {
     "ir": "graphfit.tools.bench_ir",
     "remat_traces": "graphfit.tools.bench_remat_traces",
     "remat_milp": "graphfit.tools.bench_remat_milp",
+    "remat_lp_zoo": "graphfit.tools.bench_remat_lp_zoo",
     "placement": "graphfit.tools.bench_placement",
     "loops": "graphfit.tools.bench_loops",
     "reach": "graphfit.tools.bench_reach",

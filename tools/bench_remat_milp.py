@@ -132,9 +132,11 @@ def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
                                                 "num_stages", "coarsened", "num_binaries",
                                                 "num_constraints")})
     if planner == "checkmate_lp":
-        row.update({k: plan.stats[k] for k in ("lp_overhead", "lp_is_bound", "num_stages",
-                                                "num_variables", "num_constraints", "lp_s",
-                                                "lp_solves", "rounding", "budget_scale")})
+        row.update({k: plan.stats[k] for k in (
+            "lp_overhead", "lp_is_bound", "rounded_overhead", "grouped", "num_decision_ops",
+            "num_stages", "num_variables", "num_constraints", "num_nonzeros",
+            "requested_nonzeros_estimate", "fill_order", "lp_s",
+            "lp_solves", "rounding", "budget_scale")})
     return row
 
 
@@ -261,11 +263,42 @@ def main(time_limit_s: float = 20.0) -> dict:
     return results
 
 
+def _lp_cells(lp: dict) -> str:
+    """The LP's size and times, its value, the rounded and the filled plan's overhead."""
+    if "lp_s" not in lp:
+        return f"{'':>38}{lp['seconds']:>7.1f}{'':>8}{'':>8}{_cell(lp):>8}"
+    shape = ("full" if not lp["grouped"]
+             else f"/{lp['num_decision_ops'] / lp['num_stages']:.1f}")
+    value = f"{'≥' if lp['lp_is_bound'] else '~'}{lp['lp_overhead']:.3f}"
+    plan = f"{lp['overhead']:.3f}" if lp["within_budget"] else _cell(lp)
+    return (f"{shape:>6}{lp['num_decision_ops']:>7}{lp['num_stages']:>7}"
+            f"{lp['num_variables']:>9}{lp['num_nonzeros']:>9}{lp['lp_s']:>7.1f}"
+            f"{lp['seconds']:>7.1f}{value:>8}{lp['rounded_overhead']:>8.3f}{plan:>8}")
+
+
+def _zoo_table(rows: list[dict]) -> str:
+    """The zoo benchmark's table: one line per graph and budget ratio."""
+    lines = ["checkmate_lp on each zoo graph: 'full' = one stage per decision op (the LP relaxes "
+             "Checkmate's MILP: its value '≥v' is a lower bound),",
+             "'/k' = k decision ops per group (a coarsened LP: its value '~v' bounds nothing); "
+             "decision ops, stages, LP columns and nonzeros,",
+             "HiGHS time (all solves) and total planning time (s); LP value, the best phase-1/2 "
+             "rounding, the plan after greedy filling; dtr, offline.",
+             f"{'graph':<24}{'ops':>6}{'ratio':>6}{'LP':>6}{'dec.':>7}{'stages':>7}{'cols':>9}"
+             f"{'nnz':>9}{'lp s':>7}{'tot s':>7}{'LP':>8}{'rounded':>8}{'plan':>8}{'dtr':>9}"
+             f"{'offline':>9}"]
+    for row in rows:
+        lines.append(f"{row['graph']:<24}{row['num_ops']:>6}{row['ratio']:>6.2f}"
+                     f"{_lp_cells(row['planners']['checkmate_lp'])}"
+                     f"{_cell(row['planners']['dtr']):>9}{_cell(row['planners']['offline']):>9}")
+    return "\n".join(lines)
+
+
 def zoo(models=ZOO_MODELS, ratios=ZOO_RATIOS) -> dict:
     """``checkmate_lp`` beside ``dtr`` and ``offline`` on every zoo model's presets."""
     from graphfit.models import PRESETS
 
-    begin = time.perf_counter()
+    begin, load = time.perf_counter(), os.getloadavg()  # the machine may be shared
     rows = []
     for model in models:
         for preset in ("default", "activations"):
@@ -281,17 +314,10 @@ def zoo(models=ZOO_MODELS, ratios=ZOO_RATIOS) -> dict:
                 print(f"remat_lp_zoo: {model}/{preset} ({graph.num_ops} ops) {ratio}: "
                       + "  ".join(f"{p} {_cell(r)}" for p, r in runs.items())
                       + f"  ({runs['checkmate_lp']['seconds']:.1f} s)", flush=True)
-    lines = [f"{'graph':<24}{'ops':>6}{'ratio':>6}{'stages':>7}{'vars':>8}{'rows':>8}"
-             f"{'lp s':>7}{'total s':>8}{'checkmate_lp':>18}{'dtr':>9}{'offline':>9}"]
-    for row in rows:
-        lp = row["planners"]["checkmate_lp"]
-        sizes = (f"{lp['num_stages']:>7}{lp['num_variables']:>8}{lp['num_constraints']:>8}"
-                 f"{lp['lp_s']:>7.1f}" if "lp_s" in lp else f"{'':>30}")
-        lines.append(f"{row['graph']:<24}{row['num_ops']:>6}{row['ratio']:>6.2f}{sizes}"
-                     f"{lp['seconds']:>8.1f}{_cell(lp):>18}"
-                     f"{_cell(row['planners']['dtr']):>9}{_cell(row['planners']['offline']):>9}")
-    table = "\n".join(lines)
-    results = {"ratios": list(ratios), "rows": rows, "seconds": time.perf_counter() - begin}
+    table = _zoo_table(rows)
+    results = {"ratios": list(ratios), "rows": rows, "seconds": time.perf_counter() - begin,
+               "max_nonzeros": checkmate_lp.MAX_NONZEROS, "load_average": load,
+               "load_average_end": os.getloadavg()}
     atomic_write_json(os.path.join(RESULTS, "remat_lp_zoo.json"), results)
     _write_table("remat_lp_zoo.txt", table)
     print(table)
