@@ -126,6 +126,7 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import measure_rewrite, measure_step
     from graphfit.remat.pipeline import rematerialize
+    from graphfit.remat.step_time import trace_step
 
     baseline = measure_step(original, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
     budget = int(budget_bytes if budget_bytes is not None
@@ -133,11 +134,12 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     profile = (baseline.profile if item is original else
                measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices).profile)
     planning_budget, rounds = budget, []
+    traces = trace_step(original, item) if verify else None     # the same for every round
     for _ in range(MAX_PLAN_ROUNDS):
         try:
             rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,
                                             heuristic=heuristic, overhead_limit=overhead_limit,
-                                            predict_time_against=original if verify else None)
+                                            step_traces=traces)
         except BudgetError as error:
             if not rounds:
                 raise

@@ -158,7 +158,7 @@ def plan_for_budget(cost_graph: CostGraph, budget_bytes: int | None, heuristic: 
 def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph | MemoryModel",
                   budget_bytes: int | None = None, budget_ratio: float | None = None,
                   heuristic: str = "dtr", overhead_limit: float = 2.0,
-                  side_by_side: bool = False, predict_time_against: GraphItem | None = None
+                  side_by_side: bool = False, step_traces: "StepTraces | None" = None
                   ) -> tuple[GraphItem, RematPlan]:
     """Rewrite ``item`` so that its step fits a memory budget, recomputing what it must.
 
@@ -180,9 +180,8 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
             transformer and 1.17 on the Keras attention step, and no step-time gain could
             be shown on the loaded machine. ``False`` chains the backward pass strictly in
             plan order.
-        predict_time_against: the step as the user runs it (``item`` itself, or ``item``
-            before the graph passes): predict the rewritten step's wall time against it
-            (``remat.step_time``, a few traced steps of each), into
+        step_traces: traces of the step and of the user's (``remat.step_time.trace_step``):
+            predict the rewritten step's wall time against the user's, into
             ``plan.stats["step_time"]``. Only with the strict chain (``side_by_side=False``).
 
     Returns:
@@ -202,7 +201,7 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     from graphfit.remat import baselines
     from graphfit.remat.rewrite import rewrite
     from graphfit.remat.side_by_side import expanded_positions, side_by_side_events
-    from graphfit.remat.step_time import predict_rewrite_time
+    from graphfit.remat.step_time import predict_step_time
     from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
 
     if (budget_bytes is None) == (budget_ratio is None):
@@ -233,11 +232,10 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     plan.stats["side_by_side_events"] = len(beside)
     rewritten = rewrite(item, model.cost_graph, plan,
                         beside=expanded_positions(model.members, planned, beside))
-    if predict_time_against is not None:
+    if step_traces is not None:
         if side_by_side:
-            raise ArgumentError("predict_time_against needs the strict chain "
-                                "(side_by_side=False)")
-        plan.stats["step_time"] = predict_rewrite_time(
-            predict_time_against, item, model.cost_graph, plan,
-            rewritten.config["remat"]["pinned_from"]).report()
+            raise ArgumentError("step_traces need the strict chain (side_by_side=False)")
+        plan.stats["step_time"] = predict_step_time(
+            model.cost_graph.names, plan, rewritten.config["remat"]["pinned_from"],
+            *step_traces).report()
     return rewritten, plan

@@ -160,6 +160,8 @@ def keep_remapper_fusions(graph_def: tf.compat.v1.GraphDef) -> dict:
                if not any(reaches(reader, g.last) for reader in control_readers[g])
                and not (g.activation and any(reaches(g.bias_add, c)
                                              for c in controls(g.activation)))]
+    if not movable:          # nothing to move: no copy of the graph, no new node
+        return {"groups": len(groups), "freed": 0, "blocked": len(touched)}
     done = {g.last: helper(g.last + DONE_SUFFIX, g.last, g.last) for g in movable
             if control_readers[g]}
     end_of = {m: done[g.last] for g in movable if g.last in done for m in g.members}

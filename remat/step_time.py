@@ -28,14 +28,15 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from graphfit.models.graph_item import GraphItem
-from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
 from graphfit.profiler.session import serial_config, step_config, user_config
 from graphfit.remat.plan import FREE, RematPlan
+from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepTimePrediction", "predict_step_time", "predict_rewrite_time"]
+__all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "trace_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +106,23 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
         pinned_serial_us=pinned_us, serial_gap=gap)
 
 
-def predict_rewrite_time(original: GraphItem, item: GraphItem, cost_graph: CostGraph,
-                         plan: RematPlan, pinned_from: int, steps: int = 4
-                         ) -> StepTimePrediction:
-    """Trace ``item`` (the step ``plan`` was made for: ``original`` after the graph passes)
-    as it runs and one op at a time, and ``original`` as the user runs it (TF's defaults);
-    predict the rewritten step's time against the user's."""
-    from graphfit.remat.tf_memory import step_item
+class StepTraces(NamedTuple):
+    """What a prediction reads: ``concurrent``, ``serial`` and ``user`` of
+    ``predict_step_time``. They depend on the steps only, not on the plan: trace once, predict
+    for every plan of the same step."""
 
+    concurrent: StepIntervals
+    serial: StepIntervals
+    user: StepIntervals | None
+
+
+def trace_step(original: GraphItem, item: GraphItem, steps: int = 4) -> StepTraces:
+    """Trace ``item`` (the step a plan is made for: ``original`` after the graph passes) as it
+    runs and one op at a time, and ``original`` as the user runs it (TF's defaults), for
+    ``predict_step_time(names, plan, pinned_from, *traces)``."""
     config = step_config(item)
-    concurrent = op_intervals(step_item(item), config, steps)
-    serial = op_intervals(step_item(item), serial_config(config), steps)
-    user = (None if original is item else
-            op_intervals(step_item(original), user_config(), steps))
-    return predict_step_time(cost_graph.names, plan, pinned_from, concurrent, serial, user)
+    return StepTraces(
+        concurrent=op_intervals(step_item(item), config, steps),
+        serial=op_intervals(step_item(item), serial_config(config), steps),
+        user=None if original is item else op_intervals(step_item(original), user_config(),
+                                                        steps))
