@@ -19,28 +19,34 @@ from typing import Any
 __all__ = ["paired_step_times", "ratio_summary"]
 
 
-def paired_step_times(steps: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 2
-                      ) -> dict[str, list[float]]:
+def paired_step_times(steps: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 2,
+                      min_seconds: float = 0.0) -> dict[str, list[float]]:
     """Seconds of each step in each round (module docstring).
 
     Parameters:
         steps: name -> a callable running one step (e.g. ``session.run`` of its fetches).
-        rounds: rounds timed; every step runs once per round.
+        rounds: rounds timed at least; every step runs once per round.
         warmup: untimed runs of each step first (kernels, allocator, Grappler's cache).
+        min_seconds: keep adding rounds until the timed rounds took this long. A step of a
+            few milliseconds needs hundreds of rounds before the median ratio stops moving
+            with the machine's load; a fixed count fit for a 200 ms step is too few for it.
 
     Returns:
-        name -> ``rounds`` durations in seconds, round by round.
+        name -> durations in seconds, round by round (``rounds`` or more).
     """
     names = list(steps)
     for name in names:
         for _ in range(warmup):
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(rounds):
+    round_, elapsed = 0, 0.0
+    while round_ < rounds or elapsed < min_seconds:
         for name in (names if round_ % 2 == 0 else names[::-1]):
             begin = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - begin)
+            elapsed += times[name][-1]
+        round_ += 1
     return times
 
 

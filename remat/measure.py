@@ -77,12 +77,13 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1,
 
 
 def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
-                    warmup: int = 1, original_config: tf.compat.v1.ConfigProto | None = None
-                    ) -> tuple[float, float]:
-    """Median over ``rounds`` of (rewritten step time / original step time), the two steps
-    run side by side in two open sessions (``profiler.paired_timing``), and the original's
-    median step time (µs). The original runs with ``original_config`` (default: the
-    project's ``session_config``, as the rewritten step)."""
+                    warmup: int = 1, original_config: tf.compat.v1.ConfigProto | None = None,
+                    min_seconds: float = 2.0) -> tuple[float, float]:
+    """Median over the rounds (at least ``rounds``, and ``min_seconds`` of steps: short steps
+    need many) of (rewritten step time / original step time), the two steps run side by side
+    in two open sessions (``profiler.paired_timing``), and the original's median step time
+    (µs). The original runs with ``original_config`` (default: the project's
+    ``session_config``, as the rewritten step)."""
     with make_session(original.graph, config=original_config) as first, \
             make_session(rewritten.graph) as second:
         steps = {}
@@ -91,7 +92,8 @@ def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
             session.run(item.init_op)
             steps[name] = functools.partial(session.run, [item.train_op, item.loss],
                                             item.feed_dict())
-        summary = ratio_summary(paired_step_times(steps, rounds, warmup), "original")
+        summary = ratio_summary(paired_step_times(steps, rounds, warmup, min_seconds),
+                                "original")
     return summary["rewritten"]["median"], summary["original"]["median_ms"] * 1e3
 
 

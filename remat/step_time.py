@@ -41,22 +41,20 @@ __all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "trace_step"
 
 @dataclasses.dataclass(frozen=True)
 class StepTimePrediction:
-    """A predicted step time (µs, untraced) and its parts (module docstring)."""
+    """A predicted step time (µs, untraced) and its parts (module docstring). ``vs_user`` is
+    the median over rounds of the prediction over the user's step of the same round (walls
+    measured side by side), not ``predicted_step_us / user_step_us`` of the medians."""
 
     user_step_us: float
     predicted_step_us: float
     forward_us: float
     pinned_serial_us: float
     serial_gap: float
-
-    @property
-    def vs_user(self) -> float:
-        """Predicted step time over the user's."""
-        return self.predicted_step_us / self.user_step_us
+    vs_user: float
 
     def report(self) -> dict[str, float]:
-        """JSON-ready fields, ``vs_user`` included."""
-        return {**dataclasses.asdict(self), "vs_user": self.vs_user}
+        """JSON-ready fields."""
+        return dataclasses.asdict(self)
 
 
 def _wall(step: dict[str, tuple[float, float]]) -> float:
@@ -77,18 +75,28 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
         user: intervals of the user's own step, if it is another graph (default
             ``concurrent``).
 
-    Times are of untraced steps: the traced forward part is scaled by the untraced / traced
-    wall time of its run, and ``gap`` is the untraced serial step over the traced op times.
+    The traces give shares: the forward part's of the concurrent step's wall, the pinned ops'
+    of the serial step's summed op times. Each round of untraced walls (measured side by side,
+    so every round saw one load) turns them into a time: ``share * wall`` of its kind, over the
+    user's wall of that round.
+
+    Raises:
+        ValueError: no traced or untraced step, or untraced walls that are not of the same
+            rounds.
     """
-    if not (concurrent.traced and serial.traced and concurrent.untraced_wall_us
-            and serial.untraced_wall_us):
+    user = user or concurrent
+    walls = concurrent.untraced_wall_us, serial.untraced_wall_us, user.untraced_wall_us
+    if not (concurrent.traced and serial.traced and walls[0]):
         raise ValueError("need at least one traced and one untraced step of each kind")
+    if len({len(w) for w in walls}) != 1:
+        raise ValueError(f"untraced walls of {[len(w) for w in walls]} rounds: measure the "
+                         f"steps side by side (op_intervals of all of them at once)")
     names = [op_names[e.index] if e.kind != FREE else None for e in plan.events]
     serial_us = {name: statistics.median(step[name][1] - step[name][0]
                                          for step in serial.traced if name in step)
                  for name in set().union(*serial.traced)}
-    gap = statistics.median(serial.untraced_wall_us) / max(
-        statistics.median(sum(e - s for s, e in step.values()) for step in serial.traced), 1e-9)
+    op_sum = max(statistics.median(sum(e - s for s, e in step.values())
+                                   for step in serial.traced), 1e-9)
     pinned = [name for name in names[pinned_from:] if name is not None]
     before = next((name for name in reversed(names[:pinned_from]) if name), None)
 
@@ -96,14 +104,16 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
         first = next((step[name][0] for name in pinned if name in step), _wall(step))
         return max(first, step[before][1] if before in step else 0.0)
 
-    untraced = statistics.median(concurrent.untraced_wall_us)
-    forward = statistics.median(chain_start(step) for step in concurrent.traced) * untraced / \
-        statistics.median(_wall(step) for step in concurrent.traced)
+    forward_share = (statistics.median(chain_start(step) for step in concurrent.traced) /
+                     statistics.median(_wall(step) for step in concurrent.traced))
     pinned_us = sum(serial_us.get(name, 0.0) for name in pinned)
+    predicted = [forward_share * c + pinned_us / op_sum * s for c, s in zip(*walls[:2])]
     return StepTimePrediction(
-        user_step_us=statistics.median((user or concurrent).untraced_wall_us),
-        predicted_step_us=forward + gap * pinned_us, forward_us=forward,
-        pinned_serial_us=pinned_us, serial_gap=gap)
+        user_step_us=statistics.median(walls[2]),
+        predicted_step_us=statistics.median(predicted),
+        forward_us=forward_share * statistics.median(walls[0]),
+        pinned_serial_us=pinned_us, serial_gap=statistics.median(walls[1]) / op_sum,
+        vs_user=statistics.median(p / u for p, u in zip(predicted, walls[2])))
 
 
 class StepTraces(NamedTuple):
@@ -116,13 +126,16 @@ class StepTraces(NamedTuple):
     user: StepIntervals | None
 
 
-def trace_step(original: GraphItem, item: GraphItem, steps: int = 4) -> StepTraces:
+def trace_step(original: GraphItem, item: GraphItem, rounds: int = 5, traced: int = 4,
+               min_seconds: float = 3.0) -> StepTraces:
     """Trace ``item`` (the step a plan is made for: ``original`` after the graph passes) as it
     runs and one op at a time, and ``original`` as the user runs it (TF's defaults), for
-    ``predict_step_time(names, plan, pinned_from, *traces)``."""
+    ``predict_step_time(names, plan, pinned_from, *traces)``: the untraced walls of all three
+    side by side, at least ``rounds`` rounds and ``min_seconds`` (``op_intervals``)."""
     config = step_config(item)
-    return StepTraces(
-        concurrent=op_intervals(step_item(item), config, steps),
-        serial=op_intervals(step_item(item), serial_config(config), steps),
-        user=None if original is item else op_intervals(step_item(original), user_config(),
-                                                        steps))
+    steps = {"concurrent": (step_item(item), config),
+             "serial": (step_item(item), serial_config(config))}
+    if original is not item:
+        steps["user"] = (step_item(original), user_config())
+    intervals = op_intervals(steps, rounds, traced, min_seconds=min_seconds)
+    return StepTraces(intervals["concurrent"], intervals["serial"], intervals.get("user"))

@@ -47,13 +47,31 @@ def test_ops_fused_into_their_reader_cost_nothing_and_another_user_step_is_the_r
     assert prediction.user_step_us == 20
 
 
+def test_each_round_is_predicted_against_the_user_step_of_the_same_round():
+    """A round in which the machine was twice as slow (every wall doubled) predicts the same
+    ratio; a prediction from the medians of walls measured apart would not."""
+    names = ["a", "b"]
+    plan = _plan([(COMPUTE, 0), (COMPUTE, 1), (RECOMPUTE, 0)])
+    concurrent = StepIntervals([{"a": (0, 10), "b": (10, 20)}], [20.0, 40.0, 44.0])
+    serial = StepIntervals([{"a": (0, 10), "b": (10, 20)}], [20.0, 40.0, 44.0])
+    user = StepIntervals([{"x": (0, 20)}], [20.0, 40.0, 22.0])
+    prediction = predict_step_time(names, plan, 1, concurrent, serial, user)
+    # forward: half the step; then b and a again, each half of the serial step's op times.
+    assert prediction.vs_user == pytest.approx(1.5)     # rounds 1.5, 1.5, 3.0
+    assert prediction.predicted_step_us == pytest.approx(60.0)
+    with pytest.raises(ValueError, match="side by side"):
+        predict_step_time(names, plan, 1, concurrent, serial,
+                          StepIntervals(user.traced, [20.0]))
+
+
 def test_the_serial_configuration_runs_one_op_at_a_time():
     """With ``serial_config`` the op times of a traced step add up to its wall time; TF's
     defaults overlap them (inter-op threads), even after another session made TF's global
     pool."""
     item = models.build("resnet", preset="tiny")
-    default = op_intervals(item, user_config(), steps=2)
-    serial = op_intervals(item, serial_config(user_config()), steps=2)
+    steps = op_intervals({"default": (item, user_config()),
+                          "serial": (item, serial_config(user_config()))}, rounds=2, traced=2)
+    default, serial = steps["default"], steps["serial"]
 
     def overlap(step):
         return sum(end - start for start, end in step.values()) / max(

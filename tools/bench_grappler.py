@@ -63,6 +63,8 @@ from graphfit.remat.tf_memory import step_item  # noqa: E402
 __all__ = ["main", "keras_step", "keras_user_step"]
 
 RATIO = 0.5
+# Steps timed side by side (``paired_step_times`` with the bench's rounds): name -> seconds.
+Timed = Callable[[dict[str, Callable[[], object]]], dict[str, list[float]]]
 RESULT_DIR = "bench/results"
 MEMORY_OPTIMIZERS = ("RECOMPUTATION_HEURISTICS", "SWAPPING_HEURISTICS", "HEURISTICS")
 # RewriterConfig toggles that session_config leaves at TF's default (on), and the two it
@@ -186,7 +188,7 @@ def _round(summary: dict) -> dict:
             for key, value in summary.items()}
 
 
-def _no_budget(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int) -> dict:
+def _no_budget(item: GraphItem, user: tuple[Callable, tuple] | None, timed: Timed) -> dict:
     """The no-budget step, the project's configuration and Grappler's memory optimizers,
     side by side with the user's step (module docstring)."""
     from graphfit.profiler.tf_function import to_callable
@@ -214,7 +216,7 @@ def _no_budget(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
             peaks[level] = _traced_peak(session, item)
         if user is None:
             del steps["user_session"]
-        times = paired_step_times(steps, rounds)
+        times = timed(steps)
     summary = ratio_summary(times, "user")
     return {"no_budget_returns_input": optimized is item,
             "vs_user": {name: _round(s) for name, s in summary.items()},
@@ -229,7 +231,7 @@ def _no_budget(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
                 for level in MEMORY_OPTIMIZERS}}
 
 
-def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
+def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, timed: Timed
               ) -> tuple[dict, GraphItem]:
     """``optimize`` at ``RATIO``: plan, measured peak, and the step side by side with the
     user's; returns the row and the rewritten step."""
@@ -253,7 +255,7 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
         else:
             steps = {"user": sessions.step(item, user_config())[0],
                      "optimized": sessions.step(rewritten, step_config(rewritten))[0]}
-        summary = ratio_summary(paired_step_times(steps, rounds), "user")
+        summary = ratio_summary(timed(steps), "user")
     row["paired_vs_user"] = _round(summary["optimized"])
     row["paired_overhead_error"] = summary["optimized"]["median"] / row["planned_overhead"] - 1
     row["paired_step_prediction_error"] = (summary["optimized"]["median"] /
@@ -261,7 +263,7 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, rounds: int
     return row, rewritten
 
 
-def _switches(rewritten: GraphItem, planned_peak: int, rounds: int) -> dict:
+def _switches(rewritten: GraphItem, planned_peak: int, timed: Timed) -> dict:
     """Each Grappler optimizer flipped alone on the rewritten step: peak and time against the
     project's configuration."""
     switches = DEFAULT_ON + TURNED_OFF
@@ -271,7 +273,7 @@ def _switches(rewritten: GraphItem, planned_peak: int, rounds: int) -> dict:
                 (switch, _flipped_config(switch)) for switch in switches]:
             steps[name], session = sessions.step(rewritten, config)
             peaks[name] = _traced_peak(session, rewritten)
-        summary = ratio_summary(paired_step_times(steps, rounds), "project")
+        summary = ratio_summary(timed(steps), "project")
     return {name: {"flipped_to": "off" if name in DEFAULT_ON else "on",
                    "peak_vs_plan": peaks[name] / planned_peak,
                    "peak_vs_project": peaks[name] / peaks["project"],
@@ -280,19 +282,19 @@ def _switches(rewritten: GraphItem, planned_peak: int, rounds: int) -> dict:
 
 
 def bench_model(name: str, item: GraphItem, user: tuple[Callable, tuple] | None,
-                rounds: int) -> dict:
+                timed: Timed) -> dict:
     item = step_item(item)
     print_progress(f"bench_grappler {name}: user step, no budget, TF memory optimizers")
-    row = {"model": name, **_no_budget(item, user, rounds)}
+    row = {"model": name, **_no_budget(item, user, timed)}
     print_progress(f"bench_grappler {name}: optimize at {RATIO}")
     try:
-        row["remat"], rewritten = _at_ratio(item, user, rounds)
+        row["remat"], rewritten = _at_ratio(item, user, timed)
     except (BudgetError, RematRewriteError, tf.errors.OpError) as error:  # a result too
         row["remat_error"] = f"{type(error).__name__}: {error}"[:500]
         return row
     if name.split(" ")[0] in SWITCH_MODELS:
         print_progress(f"bench_grappler {name}: Grappler switches on the rewritten step")
-        row["switches"] = _switches(rewritten, row["remat"]["planned_peak_bytes"], rounds)
+        row["switches"] = _switches(rewritten, row["remat"]["planned_peak_bytes"], timed)
     return row
 
 
@@ -304,7 +306,7 @@ def _models(quick: bool) -> list[tuple[str, GraphItem, tuple[Callable, tuple] | 
     zoo = [(f"{name}/activations" + (f" batch {batch}" if quick else ""),
             models.build(name, preset="activations", **({"batch_size": batch} if quick else {})),
             None) for name, batch in QUICK_BATCH.items()]
-    keras = [("keras_conv batch 16", *_user(keras_user_step("conv", batch=16))),
+    keras = [("keras_conv batch 64", *_user(keras_user_step("conv", batch=64))),
              ("keras_depthwise batch 32", *_user(keras_user_step("depthwise", batch=32))),
              ("keras_attention batch 16 seq 128",
               *_user(keras_user_step("attention", batch=16, size=128)))]
@@ -358,7 +360,10 @@ def main(argv: list[str] | None = None) -> None:
     quick = "--quick" in (argv if argv is not None else sys.argv[1:])
     stem = f"{RESULT_DIR}/grappler" + ("_quick" if quick else "")
     load_before = os.getloadavg()
-    rows = [bench_model(name, item, user, rounds=11 if quick else 25)
+    # Short steps get more rounds: 5 s (quick) or 15 s of steps per comparison at least.
+    timed = functools.partial(paired_step_times, rounds=11 if quick else 25,
+                              min_seconds=5.0 if quick else 15.0)
+    rows = [bench_model(name, item, user, timed)
             for name, item, user in _models(quick)]
     atomic_write_json(f"{stem}.json", {
         "ratio": RATIO, "quick": quick, "load_average_before": load_before,
