@@ -19,6 +19,12 @@ those ops run one at a time. The rewritten step then costs::
 - ``gap``: the serial step's wall time over the sum of its op times (the executor's time
   between ops, and tracing's: every time is of untraced steps, ``profiler.op_intervals``).
 
+Walls come from untraced steps of the three (the step as it runs, one op at a time, the user's)
+timed side by side, round by round: on a shared 2-core machine a 30 ms Keras step's wall moved
+between 20 and 32 ms from one minute to the next, and a prediction made of walls measured apart
+moved with it (1.10-1.46 of the user's step in four runs). The prediction is made per round,
+against the user's step of the same round, and the median taken.
+
 The prediction is compared with the measured step by ``baechi.pipeline`` (``verify``) and
 ``tools.bench_grappler``: planned = measured.
 """
