@@ -4,7 +4,9 @@ untouched step runs with, and side-by-side timing."""
 
 from __future__ import annotations
 
+import functools
 import random
+import time
 
 import pytest
 
@@ -131,3 +133,10 @@ def test_paired_step_times_alternate_the_order_and_summarise_ratios():
     assert summary["user"]["median"] == 1.0
     assert summary["ours"]["median"] == pytest.approx(1.1)
     assert summary["ours"]["q1"] <= summary["ours"]["median"] <= summary["ours"]["q3"]
+
+
+def test_paired_step_times_add_rounds_until_the_steps_took_min_seconds():
+    steps = {name: functools.partial(time.sleep, 0.01) for name in ("user", "ours")}
+    times = paired_step_times(steps, rounds=1, warmup=0, min_seconds=0.1)
+    assert len(times["user"]) == len(times["ours"]) >= 5   # 0.02 s a round
+    assert sum(times["user"]) + sum(times["ours"]) >= 0.1
