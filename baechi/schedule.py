@@ -93,7 +93,9 @@ class Schedule:
             (``ScheduleBuilder``); a tensor may then reach one device more than once.
         wait_us: per unit, the clock when the placer committed it, if the placer moved the
             clock or released memory since the previous commit, e.g. to wait for memory (0:
-            it did not); a replay starts it no earlier and releases what was released by then.
+            it did not, or its copies had to wait, ``ScheduleBuilder.hold_sends``); a replay
+            starts it, and with ``transient_copies`` its copies, no earlier and releases what
+            was released by then.
     """
 
     units: UnitGraph
@@ -262,6 +264,10 @@ class ScheduleBuilder:
         self.level = [0] * d                         # bytes resident at the clock
         self.high_water = [0] * d                    # highest level seen so far
         self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
+        # per device, the releases so far: times and the bytes released up to each (a copy
+        # sent before the clock meets the bytes released since its transfer began)
+        self.release_times: list[list[float]] = [[] for _ in range(d)]
+        self.released_bytes: list[list[int]] = [[0] for _ in range(d)]
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float, int, int]] = []
         indegree = np.zeros(n, dtype=np.int64)
@@ -316,6 +322,8 @@ class ScheduleBuilder:
                             "order")
                 if gate != -1 and self.finish[gate] > available:
                     available = self.finish[gate]
+                if self.transient_copies and self.monotone and available < self.wait_us[u]:
+                    available = self.wait_us[u]  # a unit that waited for memory (hold_sends)
                 if self.contention:
                     begin = max(available, sent.get(src, self.send_free[src]), received)
                 else:
@@ -343,7 +351,8 @@ class ScheduleBuilder:
 
         Counts its outputs, temporary bytes, copies of inputs not yet on ``d``, and, for the
         first unit of a colocation group, the whole group's persistent bytes (checked against
-        the device's highest level so far, since they are held all step).
+        the device's highest level so far, since they are held all step). Copies are charged
+        against the level at the clock (``early_copies_fit`` checks those begun before it).
         """
         g = self._group[u]
         gd = self.group_device[g]
@@ -358,6 +367,22 @@ class ScheduleBuilder:
             return max(self.level[d] + need, self.high_water[d]) + self.group_persistent[g] \
                 - self.limit[d]
         return self.level[d] + need - self.limit[d]
+
+    def early_copies_fit(self, u: int, d: int) -> bool:
+        """With ``transient_copies``: whether the copies ``u`` needs on ``d``, sent just in
+        time and so possibly begun before the clock, fit beside what ``d`` held since the
+        first of them began (its level now plus what it released since). The fit test
+        (``shortfall_bytes``) charges them against the level at the clock, exact only for
+        copies begun at or after it; a caller that finds this False calls ``hold_sends``."""
+        if not (self.transient_copies and self.monotone):
+            return True
+        sends = self._incoming(u, d)[1]
+        first = min((begin for _, _, begin, _, _ in sends), default=self.clock)
+        if first >= self.clock:
+            return True
+        k = bisect.bisect_right(self.release_times[d], first)
+        since = self.released_bytes[d][-1] - self.released_bytes[d][k]
+        return self.level[d] + since + sum(self._t_bytes[t] for t, *_ in sends) <= self.limit[d]
 
     def refetches(self, u: int, d: int) -> bool:
         """Whether ``u`` on ``d`` would receive again an input whose copy ``d`` already freed
@@ -391,6 +416,12 @@ class ScheduleBuilder:
         self.level[d] += self.group_persistent[g]
         self.high_water[d] += self.group_persistent[g]
 
+    def hold_sends(self, u: int) -> None:
+        """Make unit ``u`` (not committed yet) wait for the clock, and with
+        ``transient_copies`` its copies too: they begin no earlier than ``wait_us[u]``, so
+        the fit test at the clock is exact for them."""
+        self.wait_us[u] = max(self.wait_us[u], self.clock)
+
     def advance(self, time_us: float) -> bool:
         """Move the clock to ``time_us`` (never back) and release memory freed by then.
         Returns whether anything was released."""
@@ -407,6 +438,8 @@ class ScheduleBuilder:
                 del self.copy_free_at[copy], self.arrival[copy]
                 self.gone.add(copy)
             self.level[d] -= nbytes
+            self.release_times[d].append(when)
+            self.released_bytes[d].append(self.released_bytes[d][-1] + nbytes)
             released = True
         return released
 
@@ -423,12 +456,12 @@ class ScheduleBuilder:
         """Run unit ``u`` on device ``d`` as early as possible at or after the clock; returns
         the units that became ready."""
         dd = self.num_devices
-        ready, sends = self._incoming(u, d)
         if self.advanced and self.monotone:
             # the placer moved the clock or released memory since the last commit (e.g. it
             # waited for memory): a replay must do the same before this unit
             self.wait_us[u] = max(self.wait_us[u], self.clock)
         self.advanced = False
+        ready, sends = self._incoming(u, d)
         begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0,
                     self.wait_us[u])
         if self.cores_free:
