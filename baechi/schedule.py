@@ -265,9 +265,11 @@ class ScheduleBuilder:
         self.high_water = [0] * d                    # highest level seen so far
         self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
         # per device, the releases so far: times and the bytes released up to each (a copy
-        # sent before the clock meets the bytes released since its transfer began)
+        # sent before the clock meets the bytes released since its transfer began); the
+        # pending releases no commit can postpone, a heap per device (start_shortfall_bytes)
         self.release_times: list[list[float]] = [[] for _ in range(d)]
         self.released_bytes: list[list[int]] = [[0] for _ in range(d)]
+        self.final_frees: list[list[tuple[float, int]]] = [[] for _ in range(d)]
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float, int, int]] = []
         indegree = np.zeros(n, dtype=np.int64)
@@ -351,8 +353,8 @@ class ScheduleBuilder:
 
         Counts its outputs, temporary bytes, copies of inputs not yet on ``d``, and, for the
         first unit of a colocation group, the whole group's persistent bytes (checked against
-        the device's highest level so far, since they are held all step). Copies are charged
-        against the level at the clock (``early_copies_fit`` checks those begun before it).
+        the device's highest level so far, since they are held all step), against the level at
+        the clock (``start_shortfall_bytes`` tests at the unit's start).
         """
         g = self._group[u]
         gd = self.group_device[g]
@@ -368,21 +370,46 @@ class ScheduleBuilder:
                 - self.limit[d]
         return self.level[d] + need - self.limit[d]
 
-    def early_copies_fit(self, u: int, d: int) -> bool:
-        """With ``transient_copies``: whether the copies ``u`` needs on ``d``, sent just in
-        time and so possibly begun before the clock, fit beside what ``d`` held since the
-        first of them began (its level now plus what it released since). The fit test
-        (``shortfall_bytes``) charges them against the level at the clock, exact only for
-        copies begun at or after it; a caller that finds this False calls ``hold_sends``."""
-        if not (self.transient_copies and self.monotone):
-            return True
-        sends = self._incoming(u, d)[1]
-        first = min((begin for _, _, begin, _, _ in sends), default=self.clock)
-        if first >= self.clock:
-            return True
-        k = bisect.bisect_right(self.release_times[d], first)
-        since = self.released_bytes[d][-1] - self.released_bytes[d][k]
-        return self.level[d] + since + sum(self._t_bytes[t] for t, *_ in sends) <= self.limit[d]
+    def start_shortfall_bytes(self, u: int, d: int) -> int:
+        """Bytes by which unit ``u`` does not fit on device ``d`` when it would start there
+        (<= 0: it fits); with ``transient_copies`` and ``monotone`` only (the repair step's
+        builder; else ``shortfall_bytes``).
+
+        ``shortfall_bytes`` tests against the level at the clock, but a unit starts when its
+        device and inputs are ready, often later, when bytes ``d`` holds now are gone: this
+        test takes the level at the unit's start (less the releases due on ``d`` by then that
+        no later commit can postpone) for its outputs, temporary bytes and copies, and the
+        level when its first copy begins (a just-in-time send may begin before the clock:
+        then the level now plus what ``d`` released since) for the copies. Exact for every
+        byte the builder charges, so a replay of the schedule peaks within the limits.
+        """
+        g = self._group[u]
+        gd = self.group_device[g]
+        if gd != d and (gd != -1 or self.group_persistent[g]) or not (
+                self.transient_copies and self.monotone):
+            return self.shortfall_bytes(u, d)
+        ready, sends = self._incoming(u, d)
+        begin = max(ready, self.device_free[d], self.clock, self.wait_us[u])
+        copies = sum(self._t_bytes[t] for t, *_ in sends)
+        first = min((t_begin for _, _, t_begin, _, _ in sends), default=begin)
+        return max(self._level_at(d, begin) + self._out_bytes[u] + self._temp[u] + copies,
+                   self._level_at(d, first) + copies) - self.limit[d]
+
+    def _level_at(self, d: int, time_us: float) -> int:
+        """An upper bound of device ``d``'s bytes at ``time_us`` given what is committed:
+        before the clock, the level now plus what ``d`` released since; after it, the level
+        less the final releases due by then (a copy's release is not final: a later reader
+        can extend it)."""
+        if time_us < self.clock:
+            k = bisect.bisect_right(self.release_times[d], time_us)
+            return self.level[d] + self.released_bytes[d][-1] - self.released_bytes[d][k]
+        due, heap, stack = 0, self.final_frees[d], [0]
+        while stack:  # the heap's entries due by time_us, walking only those
+            k = stack.pop()
+            if k < len(heap) and heap[k][0] <= time_us:
+                due += heap[k][1]
+                stack += (2 * k + 1, 2 * k + 2)
+        return self.level[d] - due
 
     def refetches(self, u: int, d: int) -> bool:
         """Whether ``u`` on ``d`` would receive again an input whose copy ``d`` already freed
@@ -441,6 +468,9 @@ class ScheduleBuilder:
             self.release_times[d].append(when)
             self.released_bytes[d].append(self.released_bytes[d][-1] + nbytes)
             released = True
+        for heap in self.final_frees:  # the same releases, done
+            while heap and heap[0][0] <= self.clock:
+                heapq.heappop(heap)
         return released
 
     def _charge(self, d: int, nbytes: int) -> None:
@@ -451,6 +481,8 @@ class ScheduleBuilder:
     def _release_later(self, time_us: float, d: int, nbytes: int, copy: int = -1) -> None:
         if self.liveness and nbytes:
             heapq.heappush(self.pending_frees, (time_us, d, nbytes, copy))
+            if copy < 0 and self.transient_copies:
+                heapq.heappush(self.final_frees[d], (time_us, nbytes))
 
     def commit(self, u: int, d: int) -> list[int]:
         """Run unit ``u`` on device ``d`` as early as possible at or after the clock; returns

@@ -166,7 +166,7 @@ def test_repair_step_keeps_its_order_and_balances_memory():
     units = UnitGraph.singletons(graph, np.arange(graph.num_ops))
     devs = _tight_devices(graph, 1.5)
     s = m_etf(units, devs, memory_first_only=True)
-    assert s.info["memory_first"] and s.info["memory_first_order"] == "release_first"
+    assert s.info["memory_first"] and s.info["memory_first_order"] == "release_first/4"
     assert s.order.tolist() == release_first_order(units, len(devs))
     # replayed as TF runs it (one copy per tensor and device, received as early as possible)
     again = simulate(units, devs, s.device, s.order, **s.replay_options())
