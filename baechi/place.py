@@ -122,12 +122,14 @@ class Placement:
         next op here; the repair step (``baechi.memory_first``) waits for exactly such
         releases. TF runs an op as soon as its inputs exist, two or more side by side. So:
         per device, each op after the one before it (no edge where a data edge orders them
-        already); and for each tensor freed here by an op elsewhere, that op before the first
-        op here that the plan starts after it. Every edge points forward in the planned times,
-        so the step stays acyclic. Ops without inputs (variables, constants, placeholders) get
-        no edge: they hold their bytes all step or allocate nothing, and a variable's
-        initialiser runs them too, outside the step. ``baechi.apply.apply_placement(ordering=
-        ...)`` writes the edges.
+        already); and for each tensor held here and read elsewhere, each remote reader (or the
+        reader of each copy sent from here) before the first op here that the plan starts
+        after that reader ends (TF frees the tensor once every reader is done, whichever the
+        plan had last). Every edge points forward in the planned times, so the step stays
+        acyclic. Ops without inputs (variables, constants, placeholders) get no edge: they
+        hold their bytes all step or allocate nothing, and a variable's initialiser runs them
+        too, outside the step. ``baechi.apply.apply_placement(ordering=...)`` writes the
+        edges.
         """
         s = self.schedule
         units, device = s.units, s.device
@@ -153,12 +155,12 @@ class Placement:
         shared = s.memory_model == "shared"
         consumers = units.adjacency_lists()["consumers"]
         releasers: dict[int, list[int]] = {}   # tensor -> remote ops whose end frees it here
-        if shared:
+        if shared:  # each remote reader: TF frees the buffer after all of them
             for t, readers in enumerate(consumers):
-                if readers:
-                    last = max(readers, key=lambda r: finish[r])
-                    if device[last] != device[units.tensor_producer[t]]:
-                        releasers[t] = [last]
+                home = device[units.tensor_producer[t]]
+                remote = [r for r in readers if device[r] != home]
+                if remote:
+                    releasers[t] = remote
         else:
             for t, reader in zip(s.transfer_tensor.tolist(), s.transfer_reader.tolist()):
                 releasers.setdefault(t, []).append(reader)

@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     ``--quick``: graphs up to 2,000 ops only."""
     argv = list(argv or [])
     quick = "--quick" in argv
-    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "scale",
+    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "variants", "scale",
                                                        "planned_vs_measured"]
     sizes = QUICK_SIZES if quick else SIZES
     began = time.perf_counter()
