@@ -403,8 +403,8 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
         expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
         expanded.stats["recomputed_ops"] = expanded.recomputed_ops(model.cost_graph)
         rewritten = rewrite(item, model.cost_graph, expanded)
-    placed = apply_placement(rewritten, _op_devices(model, winner),
-                             ordering=_op_ordering(model, winner))
+    ordering = _op_ordering(model, winner)
+    placed = apply_placement(rewritten, _op_devices(model, winner), ordering=ordering)
     report: dict[str, Any] = {"plan": winner.placement.summary(),
                               "planned_peak_bytes": dict(zip(devices.names, winner.peak_bytes))}
     if verify:
@@ -412,7 +412,7 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
         report = check_placement(item, placed, winner.placement, target)
     details = {"search": found.to_json(), "searched_s": searched_s,
                "recomputed_ops": expanded.stats["recomputed_ops"] if expanded else [],
-               "placement": report,
+               "placement": report, "memory_order_edges": len(ordering),
                "baseline_peak_bytes": int(baseline.peak_bytes),
                "baseline_step_time_us": baseline.step_time_us}
     record = PassRecord("joint", True, time.perf_counter() - began, details)

@@ -296,3 +296,37 @@ def test_repair_step_placements_name_the_ops_their_sends_wait_for():
     names = p.op_devices()
     # a send waits for an op on its own source device
     assert all(names[row["after"]] == row["src"] for row in gated)
+
+
+@pytest.mark.parametrize("memory_model", ["liveness", "shared"])
+def test_memory_order_runs_each_device_in_order_after_the_remote_releases(memory_model):
+    graph = TIGHT_GRAPHS["layered"]
+    p = place(graph, _tight_devices(graph, 1.1, "parallel"), method="m_etf",
+              memory_model=memory_model)
+    # under "liveness" the repair step places it (waits for memory), under "shared" m-ETF
+    assert bool(p.unit_schedule.info.get("memory_first")) == (memory_model == "liveness")
+    s, index = p.schedule, {name: k for k, name in enumerate(graph.names)}
+    edges = [(index[a], index[b]) for a, b in p.memory_order()]
+    assert edges and all(s.finish_us[a] <= s.start_us[b] for a, b in edges)  # forward in time
+    ordered = set(edges) | set(zip(*s.units.edges.tolist()))
+    sources = set(range(graph.num_ops)) - set(s.units.edges[1].tolist())
+    for d in range(len(p.devices)):  # each device's ops one after another
+        ops = [u for u in s.order.tolist() if s.device[u] == d and u not in sources]
+        ops.sort(key=lambda u: s.start_us[u])
+        assert all(pair in ordered for pair in zip(ops, ops[1:]))
+    # a tensor held on one device and read on another (in place under "shared", through a
+    # copy under "liveness"): the reader goes before the next op of the holding device that
+    # the plan starts after the reader ended
+    readers = ([(t, r) for t in range(graph.num_tensors) for r in graph.tensor_consumers(t)]
+               if memory_model == "shared" else
+               [(int(s.units.tensor_op_tensor[t]), r) for t, r in
+                zip(s.transfer_tensor.tolist(), s.transfer_reader.tolist())])
+    checked = 0
+    for t, r in readers:
+        home = s.device[graph.tensor_producer[t]]
+        later = [u for u in range(graph.num_ops) if s.device[u] == home and u not in sources
+                 and s.start_us[u] >= s.finish_us[r]]
+        if s.device[r] != home and later and not graph.tensor_persistent[t]:
+            assert (r, min(later, key=lambda u: s.start_us[u])) in ordered
+            checked += 1
+    assert checked
