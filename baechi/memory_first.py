@@ -52,8 +52,9 @@ a limit near (sequential peak / devices).
 Every unit waits for the previous one to start (a monotone clock), so the schedule is as
 parallel as the order allows; this is the price of the memory guarantee, and why it is only a
 fallback. The schedule records its gates, transient copies and waits for memory
-(``Schedule.replay_options``), so ``simulate`` replays it exactly; a run needs them as ordering
-edges.
+(``Schedule.replay_options``), so ``simulate`` replays it exactly; a TF run gets them as
+ordering edges (``Placement.gated_reads`` and ``Placement.memory_order``, written by
+``baechi.apply.apply_placement``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ transfer) until every consumer has been committed and the local ones have finish
 static model nothing is ever released. The test is made at commit time against the bytes
 resident at the current clock, which is an approximation for received copies (their transfer
 may start before the clock, so a peak before the clock can grow by the copy; on training-like
-graphs at the tightest limits this reached tens of MB). The exact per-device peak of the final
+graphs at the tightest limits this reached tens of MB; the repair step's builder tests at each
+unit's start instead, copies begun before the clock included, never below the exact peak:
+``start_shortfall_bytes``). The exact per-device peak of the final
 schedule is computed by ``baechi.memory.device_peak_bytes``; ``baechi.place`` checks it and, on
 an overshoot, places again with that device's limit lowered by the overshoot. Persistent bytes (variables) are reserved for a whole colocation group when its
 first unit is placed, against the highest level the device has had, so they never break an
@@ -380,8 +382,8 @@ class ScheduleBuilder:
         test takes the level at the unit's start (less the releases due on ``d`` by then that
         no later commit can postpone) for its outputs, temporary bytes and copies, and the
         level when its first copy begins (a just-in-time send may begin before the clock:
-        then the level now plus what ``d`` released since) for the copies. Exact for every
-        byte the builder charges, so a replay of the schedule peaks within the limits.
+        then the level now plus what ``d`` released since) for the copies. Never below what
+        the device holds then, so a replay of the schedule peaks within the limits.
         """
         g = self._group[u]
         gd = self.group_device[g]
