@@ -25,7 +25,14 @@ exists, so for each such send (``Placement.gated_reads()``) ``apply_placement`` 
 ``Identity`` of the tensor on the sending device with a control edge from the gate and lets the
 send's readers read it: the tensor then leaves after the gate, as planned. A tensor the plan
 sends twice to one device (a transient copy, freed and received again) gets one ``Identity``
-per send, so TF receives it twice too. The repair step's waits for memory are not written.
+per send, so TF receives it twice too.
+
+The simulated peaks also assume each device runs its ops one at a time in the planned order,
+and that an op waits for the releases the plan made before it (the repair step waits for memory
+to be freed, often by an op on another device). ``ordering`` (``Placement.memory_order()``)
+writes these as control edges; Grappler's remapper would then leave ``MatMul`` + ``BiasAdd`` +
+activation groups unfused, so ``remat.remapper_fusions`` moves the edges off those groups
+without changing what runs after what.
 
 Reference: Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020
 (placements are written as TF device assignments).
@@ -42,6 +49,7 @@ from graphfit.baechi.schedule import PlacementError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.trace import step_fetches
+from graphfit.remat.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["ColocationError", "apply_placement", "enforced_colocation_groups"]
 
@@ -122,9 +130,24 @@ def _gate_sends(graph_def, graph: tf.Graph, gated_reads: Sequence[Mapping]) -> N
                     inputs[j] = gate.name
 
 
+def _order(graph_def, ordering: Sequence[tuple[str, str]]) -> None:
+    """Add each ``(before, after)`` of ``ordering`` as a control input of ``after``, then keep
+    the remapper's fusions (module docstring)."""
+    nodes = {node.name: node for node in graph_def.node}
+    for before, after in ordering:
+        if before not in nodes or after not in nodes:
+            raise PlacementError(f"the ordering edge {before!r} -> {after!r} names an op that "
+                                 "is not in the graph: it was made for another graph")
+        if "^" + before not in nodes[after].input:
+            nodes[after].input.append("^" + before)
+    if ordering:
+        keep_remapper_fusions(graph_def)
+
+
 def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
                     default_device: str | None = None,
-                    gated_reads: Sequence[Mapping] = ()) -> GraphItem:
+                    gated_reads: Sequence[Mapping] = (),
+                    ordering: Sequence[tuple[str, str]] = ()) -> GraphItem:
     """A copy of ``item`` whose every op carries the device the placement chose.
 
     Parameters:
@@ -137,6 +160,8 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
             (the initialiser's ``NoOp``); default: the smallest device name of the placement.
         gated_reads: sends that wait for an op on their source device
             (``Placement.gated_reads()``), written as ordering edges (module docstring).
+        ordering: ``(before, after)`` op names, ``after`` to start once ``before`` ended
+            (``Placement.memory_order()``), written as control edges (module docstring).
 
     Returns:
         A ``GraphItem`` on a new ``tf.Graph`` with the same op names, fetches and feeds.
@@ -173,6 +198,7 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
         node.device = op_devices.get(node.name) or group_device.get(groups[node.name],
                                                                     default_device)
     _gate_sends(graph_def, graph, gated_reads)
+    _order(graph_def, ordering)
     placed = tf.Graph()
     with placed.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")

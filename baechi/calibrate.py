@@ -18,14 +18,20 @@ medians):
   transfers, is ``transfer_us`` (on virtual CPU devices, whose tensors are passed zero-copy,
   the cost of the rendezvous; on a cluster, a round of gRPC);
 - ``matmuls(k)``: a chain of ``n x n`` matrix products on ``k`` devices (1 and all):
-  ``cores`` is ``k x (t1 - step) / (tk - step)``, rounded and clipped to [1, devices], the
-  number of such chains that ran at once. It depends on the op size (TF's intra-op threads
-  split one large product over the cores, so large ops measure 1); ``matmul_size`` should be
-  typical of the graphs to be run.
+  ``k x (t1 - step) / (tk - step)`` is how many such chains ran at once; ``cores`` is that
+  number rounded up (above ``NOISE`` past a whole number), clipped to [1, devices]. Rounded
+  up because the value is fractional
+  only where one op already used several cores: TF's inter-op pool runs as many ops at once
+  as there are cores, and a product of 128 x 128 also splits over the intra-op threads, so
+  two chains on two cores measured 1.37-1.42, not 2. Rounded to the nearest (1), the core
+  cap serialised every op: resnet ``tiny`` on 4 virtual CPUs was predicted at 32.7 ms (the sum
+  of its op times, 31.8 ms, plus the step) and measured at 15.0-16.7 ms, two ops at once on
+  this 2-core machine.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -35,7 +41,11 @@ import tensorflow as tf
 from graphfit.baechi.run import RunTarget
 from graphfit.baechi.schedule import RuntimeCosts
 
-__all__ = ["calibrate_runtime"]
+__all__ = ["NOISE", "calibrate_runtime"]
+
+# How far past a whole number the measured parallelism must be to count one more core: one
+# chain against one measured 0.9-1.1 on a loaded machine.
+NOISE = 0.2
 
 _CHAIN = "chain"
 
@@ -139,7 +149,7 @@ def calibrate_runtime(run_target: RunTarget, repeats: int = 30, chain_ops: tuple
     hop_us = ((median[f"hops{hops}"] - step_us - hops * slope) / (hops - 1)
               if len(devices) > 1 else 0.0)
     costs = RuntimeCosts(step_us=step_us, op_us=max(0.0, slope - traced_op_us),
-                         cores=int(min(len(devices), max(1, round(parallel)))),
+                         cores=int(min(len(devices), max(1, math.ceil(parallel - NOISE)))),
                          transfer_us=max(0.0, hop_us))
     return costs, {"median_us": median, "traced_chain_op_us": traced_op_us,
                    "slope_us_per_op": slope, "chains_at_once": parallel,

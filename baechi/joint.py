@@ -316,20 +316,30 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
     return JointSearch(options, best, place_only, remat_only, int(baseline_peak_bytes), devices)
 
 
-def _op_devices(model, option: Option) -> dict[str, str]:
-    """TF op name -> device of the winner: each unrolled node's planning-graph chain, its ops
-    named as ``remat.rewrite`` names the clones."""
-    names = option.placement.devices.names
+def _node_ops(model, option: Option) -> list[list[str]]:
+    """Per node of the winner's placed graph, its TF ops in execution order: the node's
+    planning-graph chain, named as ``remat.rewrite`` names the clones."""
     cost_names = model.cost_graph.names
     source = (option.unrolled.source if option.unrolled is not None else
               [(op, 0) for op in range(model.plan_graph.num_ops)])
-    devices = {}
-    for node, (op, version) in enumerate(source):
-        device = names[int(option.placement.device_index[node])]
-        for member in model.members[op]:
-            name = cost_names[member]
-            devices[clone_name(name, version) if version else name] = device
-    return devices
+    return [[clone_name(cost_names[m], version) if version else cost_names[m]
+             for m in model.members[op]] for op, version in source]
+
+
+def _op_devices(model, option: Option) -> dict[str, str]:
+    """TF op name -> device of the winner."""
+    names = option.placement.devices.names
+    return {name: names[int(option.placement.device_index[node])]
+            for node, ops in enumerate(_node_ops(model, option)) for name in ops}
+
+
+def _op_ordering(model, option: Option) -> list[tuple[str, str]]:
+    """The winner's ``Placement.memory_order()`` over TF ops: a node ends with its last op
+    and starts with its first."""
+    nodes = _node_ops(model, option)
+    index = {name: k for k, name in enumerate(option.placement.graph.names)}
+    return [(nodes[index[a]][-1], nodes[index[b]][0])
+            for a, b in option.placement.memory_order()]
 
 
 def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = DEFAULT_RATIOS,
@@ -393,7 +403,8 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
         expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
         expanded.stats["recomputed_ops"] = expanded.recomputed_ops(model.cost_graph)
         rewritten = rewrite(item, model.cost_graph, expanded)
-    placed = apply_placement(rewritten, _op_devices(model, winner))
+    ordering = _op_ordering(model, winner)
+    placed = apply_placement(rewritten, _op_devices(model, winner), ordering=ordering)
     report: dict[str, Any] = {"plan": winner.placement.summary(),
                               "planned_peak_bytes": dict(zip(devices.names, winner.peak_bytes))}
     if verify:
@@ -401,7 +412,7 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
         report = check_placement(item, placed, winner.placement, target)
     details = {"search": found.to_json(), "searched_s": searched_s,
                "recomputed_ops": expanded.stats["recomputed_ops"] if expanded else [],
-               "placement": report,
+               "placement": report, "memory_order_edges": len(ordering),
                "baseline_peak_bytes": int(baseline.peak_bytes),
                "baseline_step_time_us": baseline.step_time_us}
     record = PassRecord("joint", True, time.perf_counter() - began, details)

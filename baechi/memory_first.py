@@ -7,31 +7,40 @@ devices) the schedule deadlocks, with every device full and nothing releasable. 
 happens m-ETF and m-SCT fall back to this scheduler, which fixes the order first and then only
 chooses devices.
 
-The order (``release_first_order``) is list scheduling on as many identical workers as there
-are devices, compute times only, where a free worker takes a ready unit that releases at least
-as many bytes as it allocates before any other (the last reader of its inputs: a join, a chain's
-next op), else the earliest unit of the topological order. A join then runs as soon as its
-inputs exist instead of after every sibling branch: on fork-join graphs (64 branches joined by
-a tree of adds) the topological order holds every branch's output at once, and at 1.1 x
-(sequential peak / 4) each device's slack was about one tensor, too little for a join's output
-plus a copy of an input; in this order the peak is about 0.6 of that limit. The workers keep
-that many units side by side, so the order is as parallel as the devices. If the order does not
-fit, the topological order (the one that defines the sequential peak) is tried.
+The order (``release_first_order``) is list scheduling on identical workers, compute times
+only, where a free worker takes a ready unit that releases at least as many bytes as it
+allocates before any other (the last reader of its inputs: a join, a chain's next op), else the
+earliest unit of the topological order. A join then runs as soon as its inputs exist instead of
+after every sibling branch: on fork-join graphs (64 branches joined by a tree of adds) the
+topological order holds every branch's output at once, and at 1.1 x (sequential peak / 4) each
+device's slack was about one tensor, too little for a join's output plus a copy of an input; in
+this order the peak is about 0.6 of that limit. The workers keep that many units side by side.
+Attempts, the first that fits wins: as many workers as devices (the most parallel order), then
+one fewer, down to one (``release_first/1`` finishes a branch and its joins before starting the
+next: the fewest tensors alive at once, and the least fragmented devices; on fork-join graphs
+with 16 short branches, where one join's inputs and output are 0.95-1.09 of (sequential peak /
+4), some instances fit at 1.1 x that only in this order); each with a reserve of 0, then of
+0.1 (``RESERVES``, below); last, the topological order (the one that defines the sequential
+peak).
 
 Devices, in that order:
 
 - the variables (colocation groups with persistent bytes) are spread over the devices first,
   since they are held all step;
-- each unit is committed on a device where it fits now; so the bytes alive across all devices
-  are those alive in the order run sequentially, plus copies, plus what the devices running side
-  by side have in flight;
+- each unit is committed on a device where it fits when it would start there
+  (``ScheduleBuilder.start_shortfall_bytes``: the level at its start, after the releases due
+  by then, and, for copies sent just in time before the clock, what the device held since
+  they began; if they fit nowhere the copies wait for the clock, ``hold_sends``); so the bytes
+  alive across all devices are those alive in the order run sequentially, plus copies, plus
+  what the devices running side by side have in flight;
 - among the devices where it fits, a unit goes where it starts earliest (its favourite
   parent's device first, under m-SCT), unless that would push the device into its last
-  ``RESERVE_FRACTION`` of memory while another device stays below it; then the device with the
-  most room left wins. This keeps the resident bytes balanced, so no device fills up while
-  another has room (the failure of filling devices one after another, as m-TOPO does);
-- a unit that fits nowhere waits for the next release; if none is pending the instance is
-  reported with its shortfall.
+  ``reserve`` of memory while another device stays below it; then the device with the most
+  room left wins. A reserve keeps the resident bytes balanced, so no device fills up while
+  another has room (the failure of filling devices one after another, as m-TOPO does); no
+  reserve keeps more chains on one device (fewer transfers);
+- a unit that fits nowhere waits for the next release; if none is pending the attempt fails,
+  and the last attempt reports the instance with its shortfall.
 
 Copies are kept short-lived: a tensor read on another device is sent just in time for its
 reader (``ScheduleBuilder``'s ``late_sends``: the send waits for a "gate" unit on the sending
@@ -43,8 +52,9 @@ a limit near (sequential peak / devices).
 Every unit waits for the previous one to start (a monotone clock), so the schedule is as
 parallel as the order allows; this is the price of the memory guarantee, and why it is only a
 fallback. The schedule records its gates, transient copies and waits for memory
-(``Schedule.replay_options``), so ``simulate`` replays it exactly; a run needs them as ordering
-edges.
+(``Schedule.replay_options``), so ``simulate`` replays it exactly; a TF run gets them as
+ordering edges (``Placement.gated_reads`` and ``Placement.memory_order``, written by
+``baechi.apply.apply_placement``).
 """
 
 from __future__ import annotations
@@ -57,15 +67,16 @@ from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.schedule import PlacementError, Schedule, ScheduleBuilder
 from graphfit.baechi.units import UnitGraph
 
-__all__ = ["RESERVE_FRACTION", "memory_first", "release_first_order"]
+__all__ = ["RESERVES", "memory_first", "release_first_order"]
 
-RESERVE_FRACTION = 0.1
+# The device choice's reserve (a fraction of each limit, module docstring), tried in turn.
+RESERVES = (0.0, 0.1)
 
 
 def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
                  favourite_parent: np.ndarray | None = None, method: str = "m_etf") -> Schedule:
-    """Place units in a memory-lean order (``release_first_order``, else the topological
-    order) on the device where each fits and starts earliest, keeping every device's resident
+    """Place units in a memory-lean order (``release_first_order`` on as many workers as
+    devices, else on one, else the topological order) on the device where each fits and starts earliest, keeping every device's resident
     bytes balanced (module docstring).
 
     Parameters:
@@ -77,28 +88,33 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
 
     Returns:
         The ``Schedule``; ``info["memory_first"]`` is True, ``info["memory_first_order"]``
-        names the order that fitted (``"release_first"`` or ``"topological"``).
+        names the order that fitted (``"release_first"``, ``"release_first_sequential"`` or
+        ``"topological"``).
 
     Raises:
-        PlacementError: a unit fits on no device and no memory will be released, in either
+        PlacementError: a unit fits on no device and no memory will be released, in any
             order (the message names the unit, the device and the missing bytes).
     """
-    try:
-        return _place_in_order(units, devices, memory_model, favourite_parent, method,
-                               release_first_order(units, len(devices)), "release_first")
-    except PlacementError:
-        return _place_in_order(units, devices, memory_model, favourite_parent, method,
-                               units.topological_order.tolist(), "topological")
+    attempts = [(f"release_first/{workers}", lambda w=workers: release_first_order(units, w),
+                 reserve) for workers in range(len(devices), 0, -1) for reserve in RESERVES]
+    attempts.append(("topological", lambda: units.topological_order.tolist(), RESERVES[-1]))
+    for k, (name, order, reserve) in enumerate(attempts):
+        try:
+            return _place_in_order(units, devices, memory_model, favourite_parent, method,
+                                   order(), name, reserve)
+        except PlacementError:
+            if k == len(attempts) - 1:
+                raise
 
 
 def _place_in_order(units: UnitGraph, devices: DeviceSet, memory_model: str,
                     favourite_parent: np.ndarray | None, method: str, order: list[int],
-                    order_name: str) -> Schedule:
+                    order_name: str, reserve_fraction: float) -> Schedule:
     """``memory_first`` with the units committed in ``order``."""
     builder = ScheduleBuilder(units, devices, memory_model, transient_copies=True,
                               late_sends=True)
     limit = builder.limit
-    reserve = [RESERVE_FRACTION * m for m in limit]
+    reserve = [reserve_fraction * m for m in limit]
     group = units.group.tolist()
     _spread_variables(builder)
     fav = favourite_parent.tolist() if favourite_parent is not None else None
@@ -107,20 +123,26 @@ def _place_in_order(units: UnitGraph, devices: DeviceSet, memory_model: str,
         pinned = builder.group_device[group[u]]
         choices = [pinned] if pinned != -1 else all_devices
         while True:
-            fits = [(builder.shortfall_bytes(u, d), d) for d in choices]
-            fits = [(short, d) for short, d in fits if short <= 0]
+            fits = _fits(builder, u, choices)
             if fits:
                 break
             next_free = builder.next_free_us()
-            if next_free is None:
-                short, d = min((builder.shortfall_bytes(u, d), d) for d in choices)
+            if next_free is not None:
+                builder.advance(next_free)
+                continue
+            # nothing will be released: copies sent just in time may still meet bytes freed
+            # since they began; sent from the clock on, they may fit
+            builder.hold_sends(u)
+            fits = _fits(builder, u, choices)
+            if not fits:
+                short, d = min((builder.start_shortfall_bytes(u, d), d) for d in choices)
                 raise PlacementError(
                     f"{method}: unit {units.unit_name(u)!r} misses {short} bytes on "
                     f"{devices.names[d]} (limit {limit[d]} bytes, {builder.level[d]} in use; "
                     f"in use on every device: {builder.level}) even in {order_name} order. "
                     "Raise the device memory by at least "
                     f"{short} bytes or rematerialize.")
-            builder.advance(next_free)
+            break
         once = [(short, d) for short, d in fits if not builder.refetches(u, d)]
         fits = once or fits
         roomy = [d for short, d in fits if -short >= reserve[d]]
@@ -133,6 +155,13 @@ def _place_in_order(units: UnitGraph, devices: DeviceSet, memory_model: str,
             d = min(fits)[1]  # the most room left after it
         builder.commit(u, d)
     return builder.finish_schedule({"memory_first": True, "memory_first_order": order_name})
+
+
+def _fits(builder: ScheduleBuilder, u: int, choices: list[int]) -> list[tuple[int, int]]:
+    """(shortfall, device) for the devices among ``choices`` where ``u`` fits when it would
+    start (``ScheduleBuilder.start_shortfall_bytes``)."""
+    fits = [(builder.start_shortfall_bytes(u, d), d) for d in choices]
+    return [(short, d) for short, d in fits if short <= 0]
 
 
 def release_first_order(units: UnitGraph, num_workers: int) -> list[int]:

@@ -112,6 +112,70 @@ class Placement:
                 rows[-1]["after"] = s.units.unit_name(int(s.transfer_gate[k]))
         return rows
 
+    def memory_order(self) -> list[tuple[str, str]]:
+        """The ordering edges a run needs to allocate and free memory as planned: ``(before,
+        after)`` op names, ``after`` to start once ``before`` has ended.
+
+        The simulated peaks assume each device runs its ops one at a time in the planned
+        order, and that bytes freed by an op on another device (the last reader of a tensor
+        held here, or the reader of a copy sent from here) are gone when the plan starts the
+        next op here; the repair step (``baechi.memory_first``) waits for exactly such
+        releases. TF runs an op as soon as its inputs exist, two or more side by side. So:
+        per device, each op after the one before it (no edge where a data edge orders them
+        already); and for each tensor held here and read elsewhere, each remote reader (or the
+        reader of each copy sent from here) before the first op here that the plan starts
+        after that reader ends (TF frees the tensor once every reader is done, whichever the
+        plan had last). Every edge points forward in the planned times, so the step stays
+        acyclic. Ops without inputs (variables, constants, placeholders) get no edge: they
+        hold their bytes all step or allocate nothing, and a variable's initialiser runs them
+        too, outside the step. ``baechi.apply.apply_placement(ordering=...)`` writes the
+        edges.
+        """
+        s = self.schedule
+        units, device = s.units, s.device
+        start, finish = s.start_us, s.finish_us
+        position = np.empty(units.num_units, dtype=np.int64)
+        position[s.order] = np.arange(units.num_units)
+        direct = set(zip(*units.edges.tolist()))
+        edges: set[tuple[int, int]] = set()
+        on_device = []
+        has_inputs = np.bincount(units.edges[1], minlength=units.num_units) > 0
+        for d in range(len(self.devices)):
+            ops = np.flatnonzero((device == d) & has_inputs)
+            ops = ops[np.lexsort((position[ops], start[ops]))]
+            on_device.append((start[ops], ops))
+            edges.update((a, b) for a, b in zip(ops[:-1].tolist(), ops[1:].tolist())
+                         if (a, b) not in direct)
+
+        def first_after(d: int, time_us: float) -> int:
+            starts, ops = on_device[d]
+            k = int(np.searchsorted(starts, time_us, side="left"))
+            return int(ops[k]) if k < len(ops) else -1
+
+        shared = s.memory_model == "shared"
+        consumers = units.adjacency_lists()["consumers"]
+        releasers: dict[int, list[int]] = {}   # tensor -> remote ops whose end frees it here
+        if shared:  # each remote reader: TF frees the buffer after all of them
+            for t, readers in enumerate(consumers):
+                home = device[units.tensor_producer[t]]
+                remote = [r for r in readers if device[r] != home]
+                if remote:
+                    releasers[t] = remote
+        else:
+            for t, reader in zip(s.transfer_tensor.tolist(), s.transfer_reader.tolist()):
+                releasers.setdefault(t, []).append(reader)
+        held = units.tensor_persistent | units.tensor_fetched
+        for t, readers in releasers.items():
+            if held[t]:
+                continue
+            d = int(device[units.tensor_producer[t]])
+            for r in readers:
+                after = first_after(d, float(finish[r]))
+                if after >= 0 and (r, after) not in direct:
+                    edges.add((r, after))
+        name = units.unit_name
+        return sorted((name(a), name(b)) for a, b in edges)
+
     def gated_reads(self) -> list[dict]:
         """The gated sends (``transfers()`` with ``after``) with the ops each copy serves: per
         gated transfer, ``tensor``, ``src``, ``dst``, ``after`` and ``readers``, the ops on

@@ -27,6 +27,7 @@ __all__ = ["place_item", "place_and_check", "check_placement"]
 
 
 def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = None,
+               memory_order: bool | None = None,
                **place_options: Any) -> tuple[GraphItem, Placement]:
     """Place ``item``'s step on ``devices`` and write the devices into a copy of its graph.
 
@@ -34,6 +35,10 @@ def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = No
         item: the training step.
         devices: device names (those of the run target), memory limits and link costs.
         profile: measured costs of ``item`` (else every cost is a static estimate).
+        memory_order: write ``Placement.memory_order()`` into the graph (each device runs
+            its ops in the planned order, after the releases the plan waited for); default:
+            when the repair step placed it (``baechi.memory_first``: its peaks rely on
+            waiting for memory).
         place_options: passed to ``baechi.place.place`` (method, placer_type, grouper,
             memory_model, sct_threshold, lp_solver).
 
@@ -47,8 +52,11 @@ def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = No
     """
     cost_graph = cost_graph_from_graph(item.graph, step_fetches(item), profile)
     placement = place(cost_graph, devices, **place_options)
-    return (apply_placement(item, placement.op_devices(), gated_reads=placement.gated_reads()),
-            placement)
+    if memory_order is None:
+        memory_order = bool(placement.unit_schedule.info.get("memory_first"))
+    ordering = placement.memory_order() if memory_order else ()
+    return (apply_placement(item, placement.op_devices(), gated_reads=placement.gated_reads(),
+                            ordering=ordering), placement)
 
 
 def place_and_check(item: GraphItem, run_target: RunTarget, devices: DeviceSet,

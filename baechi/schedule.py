@@ -16,7 +16,9 @@ transfer) until every consumer has been committed and the local ones have finish
 static model nothing is ever released. The test is made at commit time against the bytes
 resident at the current clock, which is an approximation for received copies (their transfer
 may start before the clock, so a peak before the clock can grow by the copy; on training-like
-graphs at the tightest limits this reached tens of MB). The exact per-device peak of the final
+graphs at the tightest limits this reached tens of MB; the repair step's builder tests at each
+unit's start instead, copies begun before the clock included, never below the exact peak:
+``start_shortfall_bytes``). The exact per-device peak of the final
 schedule is computed by ``baechi.memory.device_peak_bytes``; ``baechi.place`` checks it and, on
 an overshoot, places again with that device's limit lowered by the overshoot. Persistent bytes (variables) are reserved for a whole colocation group when its
 first unit is placed, against the highest level the device has had, so they never break an
@@ -93,7 +95,9 @@ class Schedule:
             (``ScheduleBuilder``); a tensor may then reach one device more than once.
         wait_us: per unit, the clock when the placer committed it, if the placer moved the
             clock or released memory since the previous commit, e.g. to wait for memory (0:
-            it did not); a replay starts it no earlier and releases what was released by then.
+            it did not, or its copies had to wait, ``ScheduleBuilder.hold_sends``); a replay
+            starts it, and with ``transient_copies`` its copies, no earlier and releases what
+            was released by then.
     """
 
     units: UnitGraph
@@ -262,6 +266,12 @@ class ScheduleBuilder:
         self.level = [0] * d                         # bytes resident at the clock
         self.high_water = [0] * d                    # highest level seen so far
         self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
+        # per device, the releases so far: times and the bytes released up to each (a copy
+        # sent before the clock meets the bytes released since its transfer began); the
+        # pending releases no commit can postpone, a heap per device (start_shortfall_bytes)
+        self.release_times: list[list[float]] = [[] for _ in range(d)]
+        self.released_bytes: list[list[int]] = [[0] for _ in range(d)]
+        self.final_frees: list[list[tuple[float, int]]] = [[] for _ in range(d)]
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float, int, int]] = []
         indegree = np.zeros(n, dtype=np.int64)
@@ -316,6 +326,8 @@ class ScheduleBuilder:
                             "order")
                 if gate != -1 and self.finish[gate] > available:
                     available = self.finish[gate]
+                if self.transient_copies and self.monotone and available < self.wait_us[u]:
+                    available = self.wait_us[u]  # a unit that waited for memory (hold_sends)
                 if self.contention:
                     begin = max(available, sent.get(src, self.send_free[src]), received)
                 else:
@@ -343,7 +355,8 @@ class ScheduleBuilder:
 
         Counts its outputs, temporary bytes, copies of inputs not yet on ``d``, and, for the
         first unit of a colocation group, the whole group's persistent bytes (checked against
-        the device's highest level so far, since they are held all step).
+        the device's highest level so far, since they are held all step), against the level at
+        the clock (``start_shortfall_bytes`` tests at the unit's start).
         """
         g = self._group[u]
         gd = self.group_device[g]
@@ -358,6 +371,47 @@ class ScheduleBuilder:
             return max(self.level[d] + need, self.high_water[d]) + self.group_persistent[g] \
                 - self.limit[d]
         return self.level[d] + need - self.limit[d]
+
+    def start_shortfall_bytes(self, u: int, d: int) -> int:
+        """Bytes by which unit ``u`` does not fit on device ``d`` when it would start there
+        (<= 0: it fits); with ``transient_copies`` and ``monotone`` only (the repair step's
+        builder; else ``shortfall_bytes``).
+
+        ``shortfall_bytes`` tests against the level at the clock, but a unit starts when its
+        device and inputs are ready, often later, when bytes ``d`` holds now are gone: this
+        test takes the level at the unit's start (less the releases due on ``d`` by then that
+        no later commit can postpone) for its outputs, temporary bytes and copies, and the
+        level when its first copy begins (a just-in-time send may begin before the clock:
+        then the level now plus what ``d`` released since) for the copies. Never below what
+        the device holds then, so a replay of the schedule peaks within the limits.
+        """
+        g = self._group[u]
+        gd = self.group_device[g]
+        if gd != d and (gd != -1 or self.group_persistent[g]) or not (
+                self.transient_copies and self.monotone):
+            return self.shortfall_bytes(u, d)
+        ready, sends = self._incoming(u, d)
+        begin = max(ready, self.device_free[d], self.clock, self.wait_us[u])
+        copies = sum(self._t_bytes[t] for t, *_ in sends)
+        first = min((t_begin for _, _, t_begin, _, _ in sends), default=begin)
+        return max(self._level_at(d, begin) + self._out_bytes[u] + self._temp[u] + copies,
+                   self._level_at(d, first) + copies) - self.limit[d]
+
+    def _level_at(self, d: int, time_us: float) -> int:
+        """An upper bound of device ``d``'s bytes at ``time_us`` given what is committed:
+        before the clock, the level now plus what ``d`` released since; after it, the level
+        less the final releases due by then (a copy's release is not final: a later reader
+        can extend it)."""
+        if time_us < self.clock:
+            k = bisect.bisect_right(self.release_times[d], time_us)
+            return self.level[d] + self.released_bytes[d][-1] - self.released_bytes[d][k]
+        due, heap, stack = 0, self.final_frees[d], [0]
+        while stack:  # the heap's entries due by time_us, walking only those
+            k = stack.pop()
+            if k < len(heap) and heap[k][0] <= time_us:
+                due += heap[k][1]
+                stack += (2 * k + 1, 2 * k + 2)
+        return self.level[d] - due
 
     def refetches(self, u: int, d: int) -> bool:
         """Whether ``u`` on ``d`` would receive again an input whose copy ``d`` already freed
@@ -391,6 +445,12 @@ class ScheduleBuilder:
         self.level[d] += self.group_persistent[g]
         self.high_water[d] += self.group_persistent[g]
 
+    def hold_sends(self, u: int) -> None:
+        """Make unit ``u`` (not committed yet) wait for the clock, and with
+        ``transient_copies`` its copies too: they begin no earlier than ``wait_us[u]``, so
+        the fit test at the clock is exact for them."""
+        self.wait_us[u] = max(self.wait_us[u], self.clock)
+
     def advance(self, time_us: float) -> bool:
         """Move the clock to ``time_us`` (never back) and release memory freed by then.
         Returns whether anything was released."""
@@ -407,7 +467,12 @@ class ScheduleBuilder:
                 del self.copy_free_at[copy], self.arrival[copy]
                 self.gone.add(copy)
             self.level[d] -= nbytes
+            self.release_times[d].append(when)
+            self.released_bytes[d].append(self.released_bytes[d][-1] + nbytes)
             released = True
+        for heap in self.final_frees:  # the same releases, done
+            while heap and heap[0][0] <= self.clock:
+                heapq.heappop(heap)
         return released
 
     def _charge(self, d: int, nbytes: int) -> None:
@@ -418,17 +483,19 @@ class ScheduleBuilder:
     def _release_later(self, time_us: float, d: int, nbytes: int, copy: int = -1) -> None:
         if self.liveness and nbytes:
             heapq.heappush(self.pending_frees, (time_us, d, nbytes, copy))
+            if copy < 0 and self.transient_copies:
+                heapq.heappush(self.final_frees[d], (time_us, nbytes))
 
     def commit(self, u: int, d: int) -> list[int]:
         """Run unit ``u`` on device ``d`` as early as possible at or after the clock; returns
         the units that became ready."""
         dd = self.num_devices
-        ready, sends = self._incoming(u, d)
         if self.advanced and self.monotone:
             # the placer moved the clock or released memory since the last commit (e.g. it
             # waited for memory): a replay must do the same before this unit
             self.wait_us[u] = max(self.wait_us[u], self.clock)
         self.advanced = False
+        ready, sends = self._incoming(u, d)
         begin = max(ready, self.device_free[d], self.clock if self.monotone else 0.0,
                     self.wait_us[u])
         if self.cores_free:

@@ -21,6 +21,7 @@ from graphfit.baechi.run import (PLACEMENT_RTOL, MemoryLimitError, local_target,
                         measure_placed_run)
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.step_compare import compare_steps
+from graphfit.remat.remapper_fusions import DONE_SUFFIX
 from graphfit.profiler.tf_import import cost_graph_from_graph, step_operations
 from graphfit.profiler.trace import step_fetches
 
@@ -224,7 +225,11 @@ def test_gated_sends_of_the_repair_step_leave_after_their_gate():
     assert len(gates) == len(reads)
     for op in gates.values():  # on the sending device, after its gate, read by the readers
         read = reads[int(op.name.rsplit("_", 1)[1])]
-        assert op.device == read["src"] and [c.name for c in op.control_inputs] == [read["after"]]
+        # the gate, or the end of the remapper group it fused into (remat.remapper_fusions
+        # moves control readers of a group's members there when ordering edges are written)
+        gate = [c.name for c in op.control_inputs]
+        assert op.device == read["src"] and len(gate) == 1
+        assert gate[0] == read["after"] or gate[0].endswith(DONE_SUFFIX)
         assert all(op.outputs[0] in ops[r].inputs for r in read["readers"])
     compare_steps(item, placed, target.session, rtol=PLACEMENT_RTOL).check()
     # in a traced step each gated send's Identity starts after its gate ended

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.joint import search
+from graphfit.baechi.joint import fit_devices, search
 from graphfit.baechi.report import REPORT_FILES
 from graphfit.baechi.schedule import MIN_DURATION_US, simulate
 from graphfit.baechi.units import UnitGraph
@@ -76,9 +76,9 @@ def test_unrolled_plan_on_one_device_is_the_plan(chain):
 def test_search_fits_where_neither_one_pass_option_does(chain):
     graph, model = chain
     peak = checkpoint_all(graph).peak_bytes
-    # 0.35: placing alone fits at 0.4 since the repair step sends just in time and spreads
-    # the variables first
-    devices = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], int(0.35 * peak),
+    # 0.3: placing alone fits at 0.35 since the repair step sends just in time, spreads the
+    # variables first and tests the fit at each op's start
+    devices = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], int(0.3 * peak),
                                 "0.0001754,134")
     found = search(model, devices, peak, "loss:0", progress=False)
     assert not found.place_only.fits and found.place_only.reason
@@ -174,3 +174,27 @@ def test_placing_the_step_as_it_is_competes_with_the_searched_options(chain):
     assert found.place_only.fits
     assert found.winner.makespan_us <= min(o.makespan_us for o in found.options if o.fits)
     assert found.winner.makespan_us <= found.place_only.makespan_us
+
+
+@pytest.mark.slow
+def test_placed_step_with_its_memory_order_runs_within_the_limits():
+    """The mlp of the demo placed alone over four 4.5 MiB virtual CPUs (m-ETF, memory
+    planned as the devices share it), the plan's memory order written into the graph
+    (``Placement.memory_order``): the step computes the single device's values and each
+    device's measured peak stays within its limit. Not always within its plan: in runs made
+    while writing this, with the order most devices measured within 1 KiB of the plan and one
+    device held up to 788 KiB more (weight gradients of four layers at once); without it three
+    devices of four held 256-526 KiB more."""
+    from graphfit import models
+    from graphfit.baechi.run import local_target
+
+    item = models.build("mlp", preset="tiny", batch_size=1024, depth=8, width=256,
+                        input_dim=256)
+    target = local_target(4)
+    devices = DeviceSet.uniform(list(target.devices), "4.5MiB", "0.0001754,134")
+    result = fit_devices(item, target, devices, ratios=(1.0,), methods=("m_etf",))
+    details = result.passes[0].details
+    place = details["placement"]
+    assert details["memory_order_edges"] > 0 and place["equal_to_single_device"]
+    for device in place["devices"]:
+        assert place["measured_peak_bytes"][device] <= place["limit_bytes"][device]

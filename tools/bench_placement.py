@@ -15,6 +15,10 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
   its makespan there, and the placer's makespan over that one. ``floor`` is the largest
   single-op working set (inputs + output) / (sequential peak / 4): no placement can go below
   it.
+- ``variants``: the ``tight`` measurements on other members of the generated families, 4
+  seeds each (``VARIANTS``: narrow and wide layers, short and long random windows, fork-join
+  with few short branches and with many, training-like with dense residuals), 1,000-2,000
+  ops, both placers and both link models.
 - ``scale``: m-ETF and m-SCT on 100,000-op graphs, each in a fresh process, with wall and CPU
   seconds and the process's peak RSS.
 - ``planned_vs_measured``: small models profiled on one device, placed with m-ETF on a local TF
@@ -27,6 +31,7 @@ The machine is shared: wall times are noisy, CPU seconds less so; see ``index.js
 
     python -m graphfit.tools.bench_placement                  # all sections (about 2 hours)
     python -m graphfit.tools.bench_placement tight --quick    # some sections, graphs <= 2k ops
+    python -m graphfit.tools.bench_placement variants         # the variant sweep (~10 min)
 """
 
 from __future__ import annotations
@@ -74,6 +79,18 @@ FAMILIES = {
     "training_like": lambda n: training_like(n, seed=0),
     "fork_join": lambda n: fork_join(n, seed=0),
 }
+# Other members of the families, at 1,000-2,000 ops (the ``variants`` section), per seed.
+VARIANTS = {
+    "layered_w64": lambda seed: layered(2_000, seed=seed, width=64),
+    "layered_w1024": lambda seed: layered(2_000, seed=seed, width=1024),
+    "random_w200": lambda seed: random_dag(2_000, seed=seed, window=200),
+    "random_w2000": lambda seed: random_dag(2_000, seed=seed, window=2_000),
+    "fork_join_b16_short": lambda seed: fork_join(1_000, seed=seed, branches=16,
+                                                   branch_ops=(1, 4)),
+    "fork_join_b128": lambda seed: fork_join(2_000, seed=seed, branches=128, branch_ops=(1, 8)),
+    "training_like_res2": lambda seed: training_like(1_000, seed=seed, residual_every=2),
+}
+VARIANT_SEEDS = (0, 1, 2, 3)
 EXTRA_GRAPHS = {
     "random_window50_2k": lambda: random_dag(2_000, seed=0),
 }
@@ -342,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     ``--quick``: graphs up to 2,000 ops only."""
     argv = list(argv or [])
     quick = "--quick" in argv
-    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "scale",
+    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "variants", "scale",
                                                        "planned_vs_measured"]
     sizes = QUICK_SIZES if quick else SIZES
     began = time.perf_counter()
@@ -354,12 +371,16 @@ def main(argv: list[str] | None = None) -> None:
         for label, graph in list(_graphs(sizes)) + [
                 ("random_window50_2k", EXTRA_GRAPHS["random_window50_2k"]())]:
             result["tight"] += _tight(label, graph)
+    if "variants" in sections:
+        for name, make in VARIANTS.items():
+            for seed in VARIANT_SEEDS:
+                result["variants"] += _tight(f"{name}_s{seed}", make(seed))
     if "scale" in sections:
         result["scale"] = _scale()
     if "planned_vs_measured" in sections:
         result["planned_vs_measured"], result["calibration"] = _planned_vs_measured()
-    merged = {"quality": [], "tight": [], "scale": [], "planned_vs_measured": [],
-              "calibration": []}
+    merged = {"quality": [], "tight": [], "variants": [], "scale": [],
+              "planned_vs_measured": [], "calibration": []}
     if os.path.exists(RESULT_PATH):  # a partial run keeps the other sections' results
         with open(RESULT_PATH) as f:
             merged.update({k: v for k, v in json.load(f).items() if k in merged})
