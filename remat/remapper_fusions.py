@@ -131,19 +131,23 @@ def keep_remapper_fusions(graph_def: tf.compat.v1.GraphDef) -> dict:
 
     new_nodes: dict[str, tf.compat.v1.NodeDef] = {}
 
-    def helper(name: str, source: str, member: str) -> str:
+    def helper(name: str, source: str, member: str) -> tf.compat.v1.NodeDef:
         # An Identity named ``name`` (made once) of ``source``, an input or the output of
         # ``member``, so of ``member``'s type ``T``; on ``member``'s device and colocated with
-        # it (a placer that put it elsewhere would copy the tensor across).
-        if name not in new_nodes:
-            if name in nodes:
+        # it (a placer that put it elsewhere would copy the tensor across). One made by an
+        # earlier run of this pass (a later pass added edges: a placement's order) is reused.
+        if name in nodes:
+            node = nodes[name]
+            if node.op != "Identity" or not node.input or node.input[0] != source:
                 raise GraphDefPassError(f"cannot add {name!r}: the graph has that node")
+            return node
+        if name not in new_nodes:
             node = tf.compat.v1.NodeDef(name=name, op="Identity", device=nodes[member].device)
             node.input.append(source)
             node.attr["T"].CopyFrom(nodes[member].attr["T"])
             node.attr["_class"].list.s.append(f"loc:@{member}".encode())
             new_nodes[name] = node
-        return name
+        return new_nodes[name]
 
     control_readers = collections.defaultdict(set)   # group -> non-member control readers
     for node in graph_def.node:
@@ -162,7 +166,7 @@ def keep_remapper_fusions(graph_def: tf.compat.v1.GraphDef) -> dict:
                                              for c in controls(g.activation)))]
     if not movable:          # nothing to move: no copy of the graph, no new node
         return {"groups": len(groups), "freed": 0, "blocked": len(touched)}
-    done = {g.last: helper(g.last + DONE_SUFFIX, g.last, g.last) for g in movable
+    done = {g.last: helper(g.last + DONE_SUFFIX, g.last, g.last).name for g in movable
             if control_readers[g]}
     end_of = {m: done[g.last] for g in movable if g.last in done for m in g.members}
     original = tf.compat.v1.GraphDef()
@@ -198,9 +202,10 @@ def keep_remapper_fusions(graph_def: tf.compat.v1.GraphDef) -> dict:
             sources = list(dict.fromkeys(c for c in sources
                                          if c != producer and c not in group.members))
             if sources:
-                gate = helper(name + GATE_SUFFIX, nodes[name].input[port], name)
-                new_nodes[gate].input.extend("^" + c for c in sources)
-                nodes[name].input[port] = gate
+                gate = (nodes[producer] if producer == name + GATE_SUFFIX  # gated before
+                        else helper(name + GATE_SUFFIX, nodes[name].input[port], name))
+                gate.input.extend("^" + c for c in sources if "^" + c not in gate.input)
+                nodes[name].input[port] = gate.name
     graph_def.node.extend(new_nodes.values())
     try:
         topological_order(graph_def)

@@ -137,3 +137,25 @@ def test_gates_and_ends_stay_with_their_group():
     nodes = {n.name: n for n in graph_def.node}
     assert list(nodes["c/fusion_gate"].attr["_class"].list.s) == [b"loc:@c"]
     assert list(nodes["r/fusion_done"].attr["_class"].list.s) == [b"loc:@r"]
+
+
+def test_a_second_run_reuses_the_helpers_of_the_first():
+    """A placement's order adds edges to a step the rewrite already freed: the pass runs again,
+    moves the new edges onto the same gate and end, and the group still fuses."""
+    graph_def = _dense(conv=False)
+    keep_remapper_fusions(graph_def)
+    nodes = {n.name: n for n in graph_def.node}
+    nodes["c"].input.append("^anchor_2")
+    nodes["r"].input.append("^anchor_2")
+    graph_def.node.add(name="anchor_2", op="NoOp")
+    nodes["out"].input.append("^b")
+    count = len(graph_def.node)
+    assert keep_remapper_fusions(graph_def) == {"groups": 1, "freed": 1, "blocked": 0}
+    nodes = {n.name: n for n in graph_def.node}
+    assert len(graph_def.node) == count
+    assert {"^anchor", "^anchor_2"} <= set(nodes["c/fusion_gate"].input)
+    assert "^anchor_2" in nodes["b/fusion_gate"].input
+    assert "^r/fusion_done" in nodes["out"].input and "^b" not in nodes["out"].input
+    x = np.resize(np.linspace(-2, 2, 16, dtype=np.float32), [2, 8])
+    _, ran = _run(graph_def, x)
+    assert ran["_FusedMatMul"] == 1
