@@ -74,7 +74,7 @@ from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.checkmate import (NoScheduleFoundError, Stages, check_budget, fixed_alive,
                                       stages)
 from graphfit.remat.plan import RematPlan
-from graphfit.remat.schedule import plan_from_schedule
+from graphfit.remat.schedule import plan_from_schedule, schedule_cost
 from graphfit.remat.validate import InfeasibleBudgetError
 
 __all__ = ["MAX_NONZEROS", "checkmate_lp"]
@@ -356,40 +356,54 @@ def _saved_per_byte(graph: CostGraph, relax: _Relaxation) -> np.ndarray:
     return value
 
 
-def _fill(graph: CostGraph, relax: _Relaxation, plan: RematPlan, kept: np.ndarray,
-          priority: np.ndarray, budget_bytes: int, outputs: Sequence[int], deadline: float,
-          replay_s: float) -> RematPlan:
-    """Greedy checkpoint filling after phase 2: keep the checkpoints whose absence makes the
-    rounded plan recompute, highest ``priority`` (per LP column) first, while the replayed
-    plan still fits the budget.
+@dataclasses.dataclass
+class _Rounded:
+    """A rounding: its checkpoint columns, schedule and ``schedule_cost``."""
 
-    More checkpoints never mean more recomputation (phase 2 recomputes a subset), so a plan
-    that fits is kept. Runs of candidates are tried at once, doubled on success and halved on
-    failure: about (rejected candidates) x log(candidates) replays. Stops before
-    ``deadline`` (``time.perf_counter``): no replay starts that would end after it if it took
-    1.5 times the last one (``replay_s``, the time of one before the first).
+    kept: np.ndarray
+    schedule: list[int]
+    peak_bytes: int
+    compute_us: float
+
+
+def _rounded(graph: CostGraph, relax: _Relaxation, kept: np.ndarray,
+             outputs: Sequence[int]) -> tuple[_Rounded, set[int]]:
+    """Phase 2 for checkpoint columns ``kept``, costed; and the columns ``_round`` missed."""
+    schedule, missed = _round(graph, relax, kept)
+    return _Rounded(kept, schedule, *schedule_cost(graph, schedule, outputs)), missed
+
+
+def _fill(graph: CostGraph, relax: _Relaxation, rounded: _Rounded, priority: np.ndarray,
+          budget_bytes: int, outputs: Sequence[int], deadline: float, trial_s: float) -> _Rounded:
+    """Greedy checkpoint filling after phase 2: keep the checkpoints whose absence makes the
+    rounded schedule recompute, highest ``priority`` (per LP column) first, while the schedule
+    still fits the budget.
+
+    More checkpoints never mean more recomputation (phase 2 recomputes a subset), so a
+    schedule that fits is kept. Runs of candidates are tried at once, doubled on success and
+    halved on failure: about (rejected candidates) x log(candidates) trials. Stops before
+    ``deadline`` (``time.perf_counter``): no trial starts that would end after it if it took
+    1.5 times the last one (``trial_s``, the time of one before the first).
     """
-    missed = _round(graph, relax, kept)[1]
+    missed = _round(graph, relax, rounded.kept)[1]
     rejected: set[int] = set()
     run = len(missed)
-    while time.perf_counter() + 1.5 * replay_s < deadline:
+    while time.perf_counter() + 1.5 * trial_s < deadline:
         candidates = sorted(missed - rejected, key=lambda c: (-priority[c], c))
         if not candidates:
             break
         begin = time.perf_counter()
-        trial = kept.copy()
+        trial = rounded.kept.copy()
         trial[candidates[:run]] = True
-        schedule, trial_missed = _round(graph, relax, trial)
-        candidate = plan_from_schedule(graph, schedule, budget_bytes, "checkmate_lp",
-                                       plan.stats, outputs)
-        replay_s = time.perf_counter() - begin
+        candidate, trial_missed = _rounded(graph, relax, trial, outputs)
+        trial_s = time.perf_counter() - begin
         if candidate.peak_bytes <= budget_bytes:
-            plan, kept, missed, run = candidate, trial, trial_missed, 2 * run
+            rounded, missed, run = candidate, trial_missed, 2 * run
         elif run > 1:
             run //= 2
         else:
             rejected.add(candidates[0])
-    return plan
+    return rounded
 
 
 def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] = (),
@@ -440,7 +454,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     best, lp_overhead, solves, lp_s, tried, scale = None, None, 0, 0.0, {}, 1.0
     feasible = tried_scale = 1.0  # the lowest scale whose LP is feasible, the last tried
     last_x = None                 # the LP's solution there
-    replay_s = 0.0                # the time of the last rounding's replay
+    trial_s = 0.0                 # the time of the last rounding's phase 2 and costing
     while best is None and scale >= MIN_SCALE:
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
@@ -478,45 +492,48 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
                 lowest = min(lowest, tried[key])
                 continue
             begin = time.perf_counter()
-            plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
-                                      "checkmate_lp", {}, outputs)
-            replay_s = time.perf_counter() - begin
-            tried[key] = plan.peak_bytes
-            lowest = min(lowest, plan.peak_bytes)
-            if plan.peak_bytes <= budget_bytes and (best is None
-                                                    or plan.compute_us < best.compute_us):
-                best, best_kept, best_x = plan, kept, x
-                best.stats.update(rounding=kind, threshold=threshold, budget_scale=scale)
+            rounded = _rounded(graph, relax, kept, outputs)[0]
+            trial_s = time.perf_counter() - begin
+            tried[key] = rounded.peak_bytes
+            lowest = min(lowest, rounded.peak_bytes)
+            if rounded.peak_bytes <= budget_bytes and (best is None
+                                                       or rounded.compute_us < best.compute_us):
+                best, best_x = rounded, x
+                chosen = dict(rounding=kind, threshold=threshold, budget_scale=scale)
         # Persistent bytes are no rounding's to save: scale what the LP decides on.
         scale = min(scale * SCALE_STEP, scale * (budget_bytes - persistent)
                     / max(lowest - persistent, 1.0))
     if (best is None and last_x is not None
-            and time.perf_counter() + replay_s < start + time_limit_s):
+            and time.perf_counter() + trial_s < start + time_limit_s):
         # Last resort, a start for the fill: no checkpoint kept, every read of an earlier
         # stage recomputed (less memory than any rounding on mlp/default at 0.9, 7.4x compute).
-        kept = np.zeros(len(relax.cost), dtype=bool)
-        plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
-                                  "checkmate_lp", {}, outputs)
-        if plan.peak_bytes <= budget_bytes:
-            best, best_kept, best_x = plan, kept, last_x
-            best.stats.update(rounding="none", threshold=None, budget_scale=feasible)
+        rounded = _rounded(graph, relax, np.zeros(len(relax.cost), dtype=bool), outputs)[0]
+        if rounded.peak_bytes <= budget_bytes:
+            best, best_x = rounded, last_x
+            chosen = dict(rounding="none", threshold=None, budget_scale=feasible)
     if best is None:
         raise NoScheduleFoundError(
             f"no rounding of Checkmate's LP fits {budget_bytes} bytes ({solves} LP solves, "
             f"down to {tried_scale:.2f} of the budget, in "
             f"{time.perf_counter() - start:.1f} s); raise the budget or use the DTR simulator")
-    # Two greedy orders, the cheaper plan wins: the LP's values (what the relaxation would
+    # Two greedy orders, the cheaper schedule wins: the LP's values (what the relaxation would
     # keep), and compute saved per byte held (on resnet/default at 0.7 it found 1.085 where
     # the LP's order stopped at 1.098; elsewhere they tie).
-    rounded_overhead, rounded = best.overhead, best
+    rounded = best
     for order, priority in (("lp", best_x), ("saved_per_byte", _saved_per_byte(graph, relax))):
-        filled = _fill(graph, relax, rounded, best_kept, priority, budget_bytes, outputs,
-                       start + time_limit_s, replay_s)
+        filled = _fill(graph, relax, rounded, priority, budget_bytes, outputs,
+                       start + time_limit_s, trial_s)
         if filled.compute_us < best.compute_us or best is rounded:
-            best = filled
-            best.stats["fill_order"] = order
-    best.stats.update(
-        lp_overhead=lp_overhead, rounded_overhead=rounded_overhead,
+            best, chosen["fill_order"] = filled, order
+    plan = plan_from_schedule(graph, best.schedule, budget_bytes, "checkmate_lp", chosen,
+                              outputs)
+    if plan.peak_bytes != best.peak_bytes:
+        raise RuntimeError(
+            f"internal error: remat.schedule.schedule_cost put the schedule's peak at "
+            f"{best.peak_bytes} bytes, its replay at {plan.peak_bytes}")
+    plan.stats.update(
+        lp_overhead=lp_overhead, rounded_overhead=(rounded.compute_us / plan.baseline_compute_us
+                                                   if plan.baseline_compute_us else 1.0),
         lp_is_bound=not relax.grouped, grouped=relax.grouped,
         lp_solves=solves, lp_s=lp_s, build_s=build_s, solve_s=time.perf_counter() - start,
         num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
@@ -524,4 +541,4 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         num_nonzeros=relax.matrix.nnz, num_decision_ops=int(relax.layout.decision.sum()),
         requested_nonzeros_estimate=relax.first_estimate,
         minimum_bytes=minimum)
-    return best
+    return plan

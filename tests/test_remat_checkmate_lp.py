@@ -7,6 +7,7 @@ from graphfit.profiler.synthetic import training_like
 from graphfit.remat import baselines, checkmate_lp as lp_module, simulator
 from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp
 from graphfit.remat.checkmate_lp import checkmate_lp
+from graphfit.remat.schedule import plan_from_schedule, schedule_cost
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
 from graphfit.tools.bench_remat_milp import activation_heavy
 
@@ -121,3 +122,19 @@ def test_an_infeasible_grouped_lp_is_no_proof_of_infeasibility():
     assert replay_plan(g, plan).peak_bytes <= budget
     with pytest.raises(NoScheduleFoundError, match="grouped LP .* full model may have one"):
         checkmate_lp(g, budget, max_groups=4)
+
+
+def test_schedule_cost_is_the_replayed_peak_and_compute():
+    """``schedule_cost`` (arrays, no checks) agrees exactly with ``plan_from_schedule`` and its
+    replay on the schedules the rounding makes: none, some and all checkpoints kept."""
+    g = activation_heavy(training_like(60, seed=4), 64)
+    outputs = [g.num_tensors - 1]
+    budget = baselines.checkpoint_all(g, outputs=outputs).peak_bytes
+    relax = lp_module._relaxation(g, budget, outputs, None)
+    rng = np.random.default_rng(0)
+    for fraction in (0.0, 0.2, 0.6, 1.0):
+        schedule = lp_module._round(g, relax, rng.random(len(relax.cost)) < fraction)[0]
+        plan = plan_from_schedule(g, schedule, None, "test", {}, outputs)
+        peak, compute = schedule_cost(g, schedule, outputs)
+        assert peak == plan.peak_bytes
+        assert compute == pytest.approx(plan.compute_us, rel=1e-12)
