@@ -35,6 +35,14 @@ relaxation of the same model:
   the square root of the excess smaller than the number of decision ops. The rounding still
   works op by op (phase 2 recomputes only the ops of a group whose outputs are needed).
 
+**Solver.** HiGHS's dual simplex (``highspy``: one model, re-solved from its last basis when
+only the memory rows' bounds change, as at each lower budget) without presolve. Measured on 2
+shared cores (load 4.5-9): resnet/activations' full LP (643k nonzeros) took 70 s with presolve
+and 12 s without, same optimum; a warm re-solve at 0.95 of the budget 1.1 s instead of 12.
+HiGHS's interior point (with or without crossover) did not finish in 120 s and its PDLP took
+87 s on mlp/activations (dual simplex: 0.9 s); Devex pricing instead of steepest edge solved
+faster once and re-solved 14x slower.
+
 Without groups the LP is a relaxation of the MILP on the same stages, so its objective is a
 lower bound on the MILP's optimum (``stats["lp_is_bound"]``). With groups it is the relaxation
 of a restricted (coarsened) model and bounds nothing: it is reported, but not as a bound.
@@ -67,8 +75,8 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import highspy
 import scipy.sparse
-from scipy.optimize import linprog
 
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.checkmate import (NoScheduleFoundError, Stages, check_budget, fixed_alive,
@@ -90,10 +98,10 @@ SCALE_STEP = 0.97
 MIN_SCALE = 0.5
 # Nonzeros of the LP's matrix (estimated before its rows are built) above which consecutive
 # decision ops are grouped (module docstring; the square root of the excess fewer stages).
-# Dual simplex on 2 shared cores (load 8-10): 1-2 s at 100-160k nonzeros, 2-5 s at 260-320k,
-# 6 s at 430k (inception_v3), but 148 s at 540k (transformer) and over 300 s at 720k
-# (resnet/activations, ungrouped): the time jumps between 430k and 540k.
-MAX_NONZEROS = 350_000
+# Dual simplex without presolve on 2 shared cores (load 4-9), first solve: 4-8 s at 263k
+# nonzeros (resnet/default), 12 s at 643k (resnet/activations), 19 s at 1.15M
+# (transformer/activations), 59 s at 2.03M (transformer/default).
+MAX_NONZEROS = 1_200_000
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
 
@@ -286,29 +294,58 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
                        np.array(memory_const), unit_bytes, grouped, first_estimate)
 
 
-def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
-    """The LP at ``capacity_bytes`` of non-persistent memory: (solution, objective), or
-    (None, None) when infeasible.
+class _Solver:
+    """HiGHS's dual simplex holding the relaxation, re-solved at lower capacities from its last
+    basis (only the memory rows' bounds change between solves; module docstring, "Solver")."""
 
-    Raises:
-        NoScheduleFoundError: HiGHS stopped before solving it (time limit)."""
-    b = relax.b_fixed.copy()
-    b[relax.memory_rows] = capacity_bytes / relax.unit_bytes - relax.memory_const
-    if (b[relax.memory_rows] < -1e-9).any():
-        return None, None   # some stage's own working set does not fit
-    # Dual simplex: on these LPs 6-13x faster than HiGHS's interior point (with or without
-    # crossover), e.g. 0.75 s vs 9.5 s on mlp/activations (12k variables, 31k rows).
-    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0),
-                     method="highs-ds", options={"time_limit": max(float(time_limit_s), 1.0)})
-    if result.status == 2:
-        return None, None
-    if result.x is None or result.status not in (0, 4):
-        raise NoScheduleFoundError(
-            f"HiGHS did not solve Checkmate's LP relaxation ({len(relax.cost)} columns, "
-            f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) in the "
-            f"{time_limit_s:.0f} s left of the time limit ({result.message}); raise the time "
-            "limit, or lower max_nonzeros to group more")
-    return np.clip(result.x, 0.0, 1.0), float(relax.cost @ result.x)
+    def __init__(self, relax: _Relaxation):
+        self.relax = relax
+        matrix = scipy.sparse.csc_array(relax.matrix)
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = matrix.shape[1], matrix.shape[0]
+        lp.col_cost_ = relax.cost
+        lp.col_lower_, lp.col_upper_ = np.zeros(len(relax.cost)), np.ones(len(relax.cost))
+        lp.row_lower_ = np.full(matrix.shape[0], -highspy.kHighsInf)
+        lp.row_upper_ = relax.b_fixed
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_ = matrix.indptr, matrix.indices
+        lp.a_matrix_.value_ = matrix.data
+        self.highs = highspy.Highs()
+        self.highs.silent()
+        for option, value in (("solver", "simplex"), ("simplex_strategy", 1),
+                              ("presolve", "off")):
+            self.highs.setOptionValue(option, value)
+        self.highs.passModel(lp)
+        self.rows = relax.memory_rows.astype(np.int32)
+
+    def solve(self, capacity_bytes: float, time_limit_s: float):
+        """The LP at ``capacity_bytes`` of non-persistent memory: (solution, objective), or
+        (None, None) when infeasible.
+
+        Raises:
+            NoScheduleFoundError: HiGHS stopped before solving it (time limit)."""
+        relax = self.relax
+        upper = capacity_bytes / relax.unit_bytes - relax.memory_const
+        if (upper < -1e-9).any():
+            return None, None   # some stage's own working set does not fit
+        self.highs.changeRowsBounds(len(self.rows), self.rows,
+                                    np.full(len(self.rows), -highspy.kHighsInf), upper)
+        # HiGHS's time limit counts every run of this object.
+        self.highs.setOptionValue("time_limit",
+                                  self.highs.getRunTime() + max(float(time_limit_s), 1.0))
+        self.highs.run()
+        status = self.highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return None, None
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise NoScheduleFoundError(
+                f"HiGHS did not solve Checkmate's LP relaxation ({len(relax.cost)} columns, "
+                f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) in the "
+                f"{time_limit_s:.0f} s left of the time limit "
+                f"({self.highs.modelStatusToString(status)}); raise the time limit, or lower "
+                "max_nonzeros to group more")
+        x = np.clip(np.asarray(self.highs.getSolution().col_value), 0.0, 1.0)
+        return x, float(relax.cost @ x)
 
 
 def _round(graph: CostGraph, relax: _Relaxation, kept: np.ndarray) -> tuple[list[int], set[int]]:
@@ -447,6 +484,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     start = time.perf_counter()
     minimum = check_budget(graph, budget_bytes, outputs)
     relax = _relaxation(graph, budget_bytes, outputs, max_groups, max_nonzeros)
+    solver = _Solver(relax)
     build_s = time.perf_counter() - start
     persistent = float(graph.persistent_bytes.sum())
     rng = np.random.default_rng(seed)
@@ -460,9 +498,17 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         if left <= 0:
             break
         begin, tried_scale = time.perf_counter(), scale
-        x, objective = _solve(relax, scale * budget_bytes - persistent, left)
-        lp_s += time.perf_counter() - begin
-        solves += 1
+        try:
+            # A re-solve leaves half of the time for the fallback and the fill.
+            x, objective = solver.solve(scale * budget_bytes - persistent,
+                                        left if last_x is None else left / 2)
+        except NoScheduleFoundError:
+            if last_x is None:
+                raise
+            break   # out of time for a re-solve: fill from the last solution's fallback
+        finally:
+            lp_s += time.perf_counter() - begin
+            solves += 1
         if x is None:
             if scale == 1.0 and relax.grouped:
                 raise NoScheduleFoundError(
