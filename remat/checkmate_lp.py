@@ -40,8 +40,8 @@ only the memory rows' bounds change, as at each lower budget) without presolve. 
 shared cores (load 4.5-9): resnet/activations' full LP (643k nonzeros) took 70 s with presolve
 and 12 s without, same optimum; a warm re-solve at 0.95 of the budget 1.1 s instead of 12.
 HiGHS's interior point (with or without crossover) did not finish in 120 s and its PDLP took
-87 s on mlp/activations (dual simplex: 0.9 s); Devex pricing instead of steepest edge solved
-faster once and re-solved 14x slower.
+87 s on mlp/activations (dual simplex: 0.9 s); Devex pricing instead of steepest edge took 20 s
+and 15 s (re-solve) on resnet/activations and over 3 min on transformer/activations (21 s).
 
 Without groups the LP is a relaxation of the MILP on the same stages, so its objective is a
 lower bound on the MILP's optimum (``stats["lp_is_bound"]``). With groups it is the relaxation

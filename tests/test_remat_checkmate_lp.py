@@ -138,3 +138,32 @@ def test_schedule_cost_is_the_replayed_peak_and_compute():
         peak, compute = schedule_cost(g, schedule, outputs)
         assert peak == plan.peak_bytes
         assert compute == pytest.approx(plan.compute_us, rel=1e-12)
+
+
+def test_warm_resolves_without_presolve_match_cold_solves():
+    """The solver keeps one HiGHS model and re-solves it from its last basis at lower
+    capacities (presolve off): each optimum equals that of a cold solve with presolve
+    (scipy's linprog) at the same capacity, and each solution satisfies the rows."""
+    from scipy.optimize import linprog
+
+    g = activation_heavy(training_like(60, seed=4), 64)
+    budget = int(0.9 * baselines.checkpoint_all(g).peak_bytes)
+    relax = lp_module._relaxation(g, budget, (), None)
+    solver = lp_module._Solver(relax)
+    persistent = float(g.persistent_bytes.sum())
+    solved = infeasible = 0
+    for scale in (1.0, 0.9, 0.8, 0.6, 0.3, 0.95):
+        capacity = scale * budget - persistent
+        x, objective = solver.solve(capacity, 60)
+        b = relax.b_fixed.copy()
+        b[relax.memory_rows] = capacity / relax.unit_bytes - relax.memory_const
+        cold = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0), method="highs")
+        if cold.status == 2:
+            assert x is None
+            infeasible += 1
+            continue
+        assert cold.status == 0 and x is not None
+        assert objective == pytest.approx(cold.fun, abs=1e-7)
+        assert (relax.matrix @ x <= b + 1e-6).all()
+        solved += 1
+    assert solved >= 3 and infeasible >= 1
