@@ -127,12 +127,15 @@ class _Relaxation:
 
 def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
                 max_groups: int | None, max_nonzeros: float = math.inf,
-                first_estimate: int | None = None) -> _Relaxation:
+                first_estimate: int | None = None, ungrouped: Stages | None = None
+                ) -> _Relaxation:
     """Build the sparse relaxation of Checkmate's model (module docstring); with fewer groups
     when its matrix would have more than about ``max_nonzeros`` nonzeros (``first_estimate``:
-    the estimated nonzeros of the model asked for, when this is a regrouping)."""
+    the estimated nonzeros of the model asked for, and ``ungrouped`` its stages, when this is
+    a regrouping)."""
     producer = graph.tensor_producer
-    layout = stages(graph, None, outputs, max_groups)
+    ungrouped = stages(graph, None, outputs, None) if ungrouped is None else ungrouped
+    layout = ungrouped.grouped(max_groups)
     inputs, decision, blocks = layout.inputs, layout.decision, layout.blocks
     num_stages = len(blocks)
     stage_of = np.repeat(np.arange(num_stages), [len(b) for b in blocks])
@@ -185,7 +188,8 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
     first_estimate = estimate if first_estimate is None else first_estimate
     if estimate > max_nonzeros and num_stages > 1:
         fewer = min(num_stages - 1, max(1, int(num_stages * math.sqrt(max_nonzeros / estimate))))
-        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate)
+        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate,
+                           ungrouped)
 
     baseline_us = float(graph.compute_us.sum()) or 1.0
     cost: list[float] = []
@@ -288,7 +292,7 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
     if matrix.nnz > 1.1 * max_nonzeros and num_stages > 1:  # the estimate was low (gnmt_v2)
         fewer = min(num_stages - 1, int(num_stages * math.sqrt(max_nonzeros / matrix.nnz)))
         return _relaxation(graph, budget_bytes, outputs, max(1, fewer), max_nonzeros,
-                           first_estimate)
+                           first_estimate, ungrouped)
     return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
                        np.array(memory_const), unit_bytes, grouped, first_estimate)
