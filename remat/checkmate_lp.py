@@ -98,10 +98,11 @@ SCALE_STEP = 0.97
 MIN_SCALE = 0.5
 # Nonzeros of the LP's matrix (estimated before its rows are built) above which consecutive
 # decision ops are grouped (module docstring; the square root of the excess fewer stages).
-# Dual simplex without presolve on 2 shared cores (load 4-9), first solve: 4-8 s at 263k
-# nonzeros (resnet/default), 12 s at 643k (resnet/activations), 19 s at 1.15M
+# Dual simplex without presolve on 2 shared cores (load 3-9): the first solve took 4-8 s at
+# 263k nonzeros (resnet/default), 12-20 s at 643k (resnet/activations, but over 59 s at 0.5 of
+# the peak, and at 0.9 and 0.7 no rounding fit within 60 s), 19-21 s at 1.15M
 # (transformer/activations), 59 s at 2.03M (transformer/default).
-MAX_NONZEROS = 1_200_000
+MAX_NONZEROS = 600_000
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
 
@@ -186,8 +187,11 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
                    for g, last in enumerate(recompute_last))
     estimate += 7 * sum(need - g for g, need in zip(unit_group, unit_need))
     first_estimate = estimate if first_estimate is None else first_estimate
-    if estimate > max_nonzeros and num_stages > 1:
-        fewer = min(num_stages - 1, max(1, int(num_stages * math.sqrt(max_nonzeros / estimate))))
+    # Decision ops per group now, and groups: a regrouping has strictly fewer, so it ends.
+    step = math.ceil(len(ungrouped.stage_ends) / max_groups) if layout.coarsened else 1
+    groups = len(ungrouped.stage_ends) // step
+    if estimate > max_nonzeros and groups > 1:
+        fewer = min(groups - 1, max(1, int(groups * math.sqrt(max_nonzeros / estimate))))
         return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate,
                            ungrouped)
 
@@ -289,10 +293,10 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             memory_const.append(highest)
             row(terms, 0.0)
     matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
-    if matrix.nnz > 1.1 * max_nonzeros and num_stages > 1:  # the estimate was low (gnmt_v2)
-        fewer = min(num_stages - 1, int(num_stages * math.sqrt(max_nonzeros / matrix.nnz)))
-        return _relaxation(graph, budget_bytes, outputs, max(1, fewer), max_nonzeros,
-                           first_estimate, ungrouped)
+    if matrix.nnz > 1.1 * max_nonzeros and groups > 1:  # the estimate was low (gnmt_v2)
+        fewer = min(groups - 1, max(1, int(groups * math.sqrt(max_nonzeros / matrix.nnz))))
+        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate,
+                           ungrouped)
     return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
                        np.array(memory_const), unit_bytes, grouped, first_estimate)
