@@ -103,6 +103,10 @@ MIN_SCALE = 0.5
 # the peak, and at 0.9 and 0.7 no rounding fit within 60 s), 19-21 s at 1.15M
 # (transformer/activations), 59 s at 2.03M (transformer/default).
 MAX_NONZEROS = 600_000
+# Seconds per schedule position reserved for turning the chosen schedule into a plan
+# (plan_from_schedule replays it): twice the 30 us measured on gnmt_v2 (321k positions, 9.8 s,
+# load 5).
+REPLAY_S_PER_POSITION = 60e-6
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
 
@@ -574,9 +578,11 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     # keep), and compute saved per byte held (on resnet/default at 0.7 it found 1.085 where
     # the LP's order stopped at 1.098; elsewhere they tie).
     rounded = best
+    # The fill leaves time for one plan_from_schedule of its start, the longest schedule.
+    deadline = start + time_limit_s - REPLAY_S_PER_POSITION * len(rounded.schedule)
     for order, priority in (("lp", best_x), ("saved_per_byte", _saved_per_byte(graph, relax))):
-        filled = _fill(graph, relax, rounded, priority, budget_bytes, outputs,
-                       start + time_limit_s, trial_s)
+        filled = _fill(graph, relax, rounded, priority, budget_bytes, outputs, deadline,
+                       trial_s)
         if filled.compute_us < best.compute_us or best is rounded:
             best, chosen["fill_order"] = filled, order
     plan = plan_from_schedule(graph, best.schedule, budget_bytes, "checkmate_lp", chosen,
