@@ -5,7 +5,7 @@ import pytest
 
 from graphfit.profiler.synthetic import training_like
 from graphfit.remat import baselines, checkmate_lp as lp_module, simulator
-from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp
+from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp, stages
 from graphfit.remat.checkmate_lp import checkmate_lp
 from graphfit.remat.schedule import plan_from_schedule, schedule_cost
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
@@ -167,3 +167,23 @@ def test_warm_resolves_without_presolve_match_cold_solves():
         assert (relax.matrix @ x <= b + 1e-6).all()
         solved += 1
     assert solved >= 3 and infeasible >= 1
+
+
+def test_regrouping_ends_when_one_group_fewer_changes_nothing():
+    """Just above ``max_nonzeros`` the LP is grouped and has fewer stages (one group fewer than
+    stage ends once merged nothing and regrouped forever)."""
+    g = activation_heavy(training_like(60, seed=4), 64)
+    budget = baselines.checkpoint_all(g).peak_bytes
+    full = lp_module._relaxation(g, budget, (), None)
+    assert not full.grouped
+    small = lp_module._relaxation(g, budget, (), None, full.first_estimate - 1)
+    assert small.grouped and len(small.layout.blocks) < len(full.layout.blocks)
+    assert small.matrix.nnz < full.matrix.nnz
+
+
+def test_stages_grouped_equals_stages_built_grouped():
+    g = activation_heavy(training_like(60, seed=4), 64)
+    ungrouped = stages(g, None, (), None)
+    for max_stages in (None, 40, 7, 1):
+        direct, regrouped = stages(g, None, (), max_stages), ungrouped.grouped(max_stages)
+        assert direct.blocks == regrouped.blocks and direct.coarsened == regrouped.coarsened
