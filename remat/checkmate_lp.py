@@ -50,15 +50,17 @@ of a restricted (coarsened) model and bounds nothing: it is reported, but not as
 Phase 2 is per stage: a first computation of the stage reads a decision tensor of an earlier
 stage that is not rounded into a checkpoint, so its producer is recomputed before the stage's
 ops, after whatever that recomputation reads and is not checkpointed either (recursively). A
-producer whose fixed inputs have died cannot be recomputed and keeps its output. The schedule
-becomes a plan through ``remat.schedule`` (each tensor freed after its last read) and is
-replayed by ``remat.validate``; only plans whose replayed peak fits the budget are returned.
-The best rounding is then filled greedily (``_fill``): the checkpoints whose absence made it
-recompute are added back, highest LP value (or, second try, compute saved per byte) first,
-while the replayed plan still fits. Phase 1 alone leaves slack wherever the LP's fractions
-put it; the fill spends the slack the replay shows (on mlp/activations at 0.5 it took the plan
-from 1.196 to 1.067, LP 1.065). When no rounding fits at any LP budget, the fill starts from
-no checkpoint at all (every read of an earlier stage recomputed), if that fits.
+producer whose fixed inputs have died cannot be recomputed and keeps its output. Each schedule
+is costed by ``remat.schedule.schedule_cost`` (each tensor freed after its last read: the
+peak and compute ``remat.validate`` would replay, with array operations); only schedules that
+fit the budget are kept. The best rounding is then filled greedily (``_fill``): the
+checkpoints whose absence made it recompute are added back, highest LP value (or, second try,
+compute saved per byte) first, while the schedule still fits. Phase 1 alone leaves slack
+wherever the LP's fractions put it; the fill spends the slack the costing shows (on
+mlp/activations at 0.5 it took the plan from 1.196 to 1.067, LP 1.065). When no rounding fits
+at any LP budget, the fill starts from no checkpoint at all (every read of an earlier stage
+recomputed), if that fits. The chosen schedule becomes a plan through
+``remat.schedule.plan_from_schedule`` and is replayed by ``remat.validate``.
 
 References:
     Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica, Gonzalez, "Checkmate: Breaking the
