@@ -129,6 +129,7 @@ class Stages:
         needed_until: per tensor, the last position at which some reader of it may run (a
             first computation, or a recomputation while that reader's own outputs may be
             needed): a checkpoint kept later is wasted.
+        stage_ends: the positions at which a stage of one decision op ends.
         blocks: the ops each stage computes for the first time.
         coarsened: ``max_stages`` merged several decision ops into one stage.
     """
@@ -139,8 +140,27 @@ class Stages:
     last_read: np.ndarray
     recompute_until: np.ndarray
     needed_until: np.ndarray
+    stage_ends: list[int]
     blocks: list[range]
     coarsened: bool
+
+    def grouped(self, max_stages: int | None) -> "Stages":
+        """These stages with ⌈decision ops / max_stages⌉ decision ops per stage (all of the
+        rest is the same: ``checkmate_lp`` tries several groupings of one graph)."""
+        return dataclasses.replace(self, **_blocks(self.stage_ends, len(self.inputs),
+                                                   max_stages))
+
+
+def _blocks(stage_ends: list[int], n: int, max_stages: int | None) -> dict:
+    """The ``blocks`` and ``coarsened`` of ``Stages`` for ``max_stages``."""
+    ends = list(stage_ends)
+    coarsened = max_stages is not None and len(ends) > max_stages
+    if coarsened:
+        ends = ends[math.ceil(len(ends) / max_stages) - 1::math.ceil(len(ends) / max_stages)]
+    if not ends or ends[-1] < n - 1:
+        ends.append(n - 1)
+    blocks = [range(0 if s == 0 else ends[s - 1] + 1, end + 1) for s, end in enumerate(ends)]
+    return {"blocks": blocks, "coarsened": coarsened}
 
 
 def stages(graph: CostGraph, candidates: np.ndarray | None, outputs: Sequence[int],
@@ -177,14 +197,8 @@ def stages(graph: CostGraph, candidates: np.ndarray | None, outputs: Sequence[in
                 until = max(k, min(int(recompute_until[k]), int(later)))
             needed_until[x] = max(needed_until[x], until)
     ends = np.flatnonzero(stage_end).tolist()
-    coarsened = max_stages is not None and len(ends) > max_stages
-    if coarsened:
-        ends = ends[math.ceil(len(ends) / max_stages) - 1::math.ceil(len(ends) / max_stages)]
-    if not ends or ends[-1] < n - 1:
-        ends.append(n - 1)
-    blocks = [range(0 if s == 0 else ends[s - 1] + 1, end + 1) for s, end in enumerate(ends)]
-    return Stages(inputs, readers, decision, last_read, recompute_until, needed_until, blocks,
-                  coarsened)
+    return Stages(inputs, readers, decision, last_read, recompute_until, needed_until, ends,
+                  **_blocks(ends, n, max_stages))
 
 
 def fixed_alive(graph: CostGraph, model: Stages, size: np.ndarray) -> np.ndarray:

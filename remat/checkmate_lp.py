@@ -35,6 +35,14 @@ relaxation of the same model:
   the square root of the excess smaller than the number of decision ops. The rounding still
   works op by op (phase 2 recomputes only the ops of a group whose outputs are needed).
 
+**Solver.** HiGHS's dual simplex (``highspy``: one model, re-solved from its last basis when
+only the memory rows' bounds change, as at each lower budget) without presolve. Measured on 2
+shared cores (load 4.5-9): resnet/activations' full LP (643k nonzeros) took 70 s with presolve
+and 12 s without, same optimum; a warm re-solve at 0.95 of the budget 1.1 s instead of 12.
+HiGHS's interior point (with or without crossover) did not finish in 120 s and its PDLP took
+87 s on mlp/activations (dual simplex: 0.9 s); Devex pricing instead of steepest edge took 20 s
+and 15 s (re-solve) on resnet/activations and over 3 min on transformer/activations (21 s).
+
 Without groups the LP is a relaxation of the MILP on the same stages, so its objective is a
 lower bound on the MILP's optimum (``stats["lp_is_bound"]``). With groups it is the relaxation
 of a restricted (coarsened) model and bounds nothing: it is reported, but not as a bound.
@@ -42,15 +50,17 @@ of a restricted (coarsened) model and bounds nothing: it is reported, but not as
 Phase 2 is per stage: a first computation of the stage reads a decision tensor of an earlier
 stage that is not rounded into a checkpoint, so its producer is recomputed before the stage's
 ops, after whatever that recomputation reads and is not checkpointed either (recursively). A
-producer whose fixed inputs have died cannot be recomputed and keeps its output. The schedule
-becomes a plan through ``remat.schedule`` (each tensor freed after its last read) and is
-replayed by ``remat.validate``; only plans whose replayed peak fits the budget are returned.
-The best rounding is then filled greedily (``_fill``): the checkpoints whose absence made it
-recompute are added back, highest LP value (or, second try, compute saved per byte) first,
-while the replayed plan still fits. Phase 1 alone leaves slack wherever the LP's fractions
-put it; the fill spends the slack the replay shows (on mlp/activations at 0.5 it took the plan
-from 1.196 to 1.067, LP 1.065). When no rounding fits at any LP budget, the fill starts from
-no checkpoint at all (every read of an earlier stage recomputed), if that fits.
+producer whose fixed inputs have died cannot be recomputed and keeps its output. Each schedule
+is costed by ``remat.schedule.schedule_cost`` (each tensor freed after its last read: the
+peak and compute ``remat.validate`` would replay, with array operations); only schedules that
+fit the budget are kept. The best rounding is then filled greedily (``_fill``): the
+checkpoints whose absence made it recompute are added back, highest LP value (or, second try,
+compute saved per byte) first, while the schedule still fits. Phase 1 alone leaves slack
+wherever the LP's fractions put it; the fill spends the slack the costing shows (on
+mlp/activations at 0.5 it took the plan from 1.196 to 1.067, LP 1.065). When no rounding fits
+at any LP budget, the fill starts from no checkpoint at all (every read of an earlier stage
+recomputed), if that fits. The chosen schedule becomes a plan through
+``remat.schedule.plan_from_schedule`` and is replayed by ``remat.validate``.
 
 References:
     Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica, Gonzalez, "Checkmate: Breaking the
@@ -67,14 +77,14 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import highspy
 import scipy.sparse
-from scipy.optimize import linprog
 
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.checkmate import (NoScheduleFoundError, Stages, check_budget, fixed_alive,
                                       stages)
 from graphfit.remat.plan import RematPlan
-from graphfit.remat.schedule import plan_from_schedule
+from graphfit.remat.schedule import plan_from_schedule, schedule_cost
 from graphfit.remat.validate import InfeasibleBudgetError
 
 __all__ = ["MAX_NONZEROS", "checkmate_lp"]
@@ -90,10 +100,15 @@ SCALE_STEP = 0.97
 MIN_SCALE = 0.5
 # Nonzeros of the LP's matrix (estimated before its rows are built) above which consecutive
 # decision ops are grouped (module docstring; the square root of the excess fewer stages).
-# Dual simplex on 2 shared cores (load 8-10): 1-2 s at 100-160k nonzeros, 2-5 s at 260-320k,
-# 6 s at 430k (inception_v3), but 148 s at 540k (transformer) and over 300 s at 720k
-# (resnet/activations, ungrouped): the time jumps between 430k and 540k.
-MAX_NONZEROS = 350_000
+# Dual simplex without presolve on 2 shared cores (load 3-9): the first solve took 4-8 s at
+# 263k nonzeros (resnet/default), 12-20 s at 643k (resnet/activations, but over 59 s at 0.5 of
+# the peak, and at 0.9 and 0.7 no rounding fit within 60 s), 19-21 s at 1.15M
+# (transformer/activations), 59 s at 2.03M (transformer/default).
+MAX_NONZEROS = 600_000
+# Seconds per schedule position reserved for turning the chosen schedule into a plan
+# (plan_from_schedule replays it): twice the 30 us measured on gnmt_v2 (321k positions, 9.8 s,
+# load 5).
+REPLAY_S_PER_POSITION = 60e-6
 # Memory rows count in units of budget / 1024 bytes (as in remat.checkmate).
 _UNITS_PER_BUDGET = 1024.0
 
@@ -119,12 +134,15 @@ class _Relaxation:
 
 def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
                 max_groups: int | None, max_nonzeros: float = math.inf,
-                first_estimate: int | None = None) -> _Relaxation:
+                first_estimate: int | None = None, ungrouped: Stages | None = None
+                ) -> _Relaxation:
     """Build the sparse relaxation of Checkmate's model (module docstring); with fewer groups
     when its matrix would have more than about ``max_nonzeros`` nonzeros (``first_estimate``:
-    the estimated nonzeros of the model asked for, when this is a regrouping)."""
+    the estimated nonzeros of the model asked for, and ``ungrouped`` its stages, when this is
+    a regrouping)."""
     producer = graph.tensor_producer
-    layout = stages(graph, None, outputs, max_groups)
+    ungrouped = stages(graph, None, outputs, None) if ungrouped is None else ungrouped
+    layout = ungrouped.grouped(max_groups)
     inputs, decision, blocks = layout.inputs, layout.decision, layout.blocks
     num_stages = len(blocks)
     stage_of = np.repeat(np.arange(num_stages), [len(b) for b in blocks])
@@ -175,9 +193,13 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
                    for g, last in enumerate(recompute_last))
     estimate += 7 * sum(need - g for g, need in zip(unit_group, unit_need))
     first_estimate = estimate if first_estimate is None else first_estimate
-    if estimate > max_nonzeros and num_stages > 1:
-        fewer = min(num_stages - 1, max(1, int(num_stages * math.sqrt(max_nonzeros / estimate))))
-        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate)
+    # Decision ops per group now, and groups: a regrouping has strictly fewer, so it ends.
+    step = math.ceil(len(ungrouped.stage_ends) / max_groups) if layout.coarsened else 1
+    groups = len(ungrouped.stage_ends) // step
+    if estimate > max_nonzeros and groups > 1:
+        fewer = min(groups - 1, max(1, int(groups * math.sqrt(max_nonzeros / estimate))))
+        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate,
+                           ungrouped)
 
     baseline_us = float(graph.compute_us.sum()) or 1.0
     cost: list[float] = []
@@ -277,38 +299,67 @@ def _relaxation(graph: CostGraph, budget_bytes: int, outputs: Sequence[int],
             memory_const.append(highest)
             row(terms, 0.0)
     matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(bound), len(cost)))
-    if matrix.nnz > 1.1 * max_nonzeros and num_stages > 1:  # the estimate was low (gnmt_v2)
-        fewer = min(num_stages - 1, int(num_stages * math.sqrt(max_nonzeros / matrix.nnz)))
-        return _relaxation(graph, budget_bytes, outputs, max(1, fewer), max_nonzeros,
-                           first_estimate)
+    if matrix.nnz > 1.1 * max_nonzeros and groups > 1:  # the estimate was low (gnmt_v2)
+        fewer = min(groups - 1, max(1, int(groups * math.sqrt(max_nonzeros / matrix.nnz))))
+        return _relaxation(graph, budget_bytes, outputs, fewer, max_nonzeros, first_estimate,
+                           ungrouped)
     return _Relaxation(layout, stage_of, unit_of, S, R, np.array(cost), matrix,
                        np.array(bound, dtype=float), np.array(memory_rows),
                        np.array(memory_const), unit_bytes, grouped, first_estimate)
 
 
-def _solve(relax: _Relaxation, capacity_bytes: float, time_limit_s: float):
-    """The LP at ``capacity_bytes`` of non-persistent memory: (solution, objective), or
-    (None, None) when infeasible.
+class _Solver:
+    """HiGHS's dual simplex holding the relaxation, re-solved at lower capacities from its last
+    basis (only the memory rows' bounds change between solves; module docstring, "Solver")."""
 
-    Raises:
-        NoScheduleFoundError: HiGHS stopped before solving it (time limit)."""
-    b = relax.b_fixed.copy()
-    b[relax.memory_rows] = capacity_bytes / relax.unit_bytes - relax.memory_const
-    if (b[relax.memory_rows] < -1e-9).any():
-        return None, None   # some stage's own working set does not fit
-    # Dual simplex: on these LPs 6-13x faster than HiGHS's interior point (with or without
-    # crossover), e.g. 0.75 s vs 9.5 s on mlp/activations (12k variables, 31k rows).
-    result = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0),
-                     method="highs-ds", options={"time_limit": max(float(time_limit_s), 1.0)})
-    if result.status == 2:
-        return None, None
-    if result.x is None or result.status not in (0, 4):
-        raise NoScheduleFoundError(
-            f"HiGHS did not solve Checkmate's LP relaxation ({len(relax.cost)} columns, "
-            f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) in the "
-            f"{time_limit_s:.0f} s left of the time limit ({result.message}); raise the time "
-            "limit, or lower max_nonzeros to group more")
-    return np.clip(result.x, 0.0, 1.0), float(relax.cost @ result.x)
+    def __init__(self, relax: _Relaxation):
+        self.relax = relax
+        matrix = scipy.sparse.csc_array(relax.matrix)
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = matrix.shape[1], matrix.shape[0]
+        lp.col_cost_ = relax.cost
+        lp.col_lower_, lp.col_upper_ = np.zeros(len(relax.cost)), np.ones(len(relax.cost))
+        lp.row_lower_ = np.full(matrix.shape[0], -highspy.kHighsInf)
+        lp.row_upper_ = relax.b_fixed
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_ = matrix.indptr, matrix.indices
+        lp.a_matrix_.value_ = matrix.data
+        self.highs = highspy.Highs()
+        self.highs.silent()
+        for option, value in (("solver", "simplex"), ("simplex_strategy", 1),
+                              ("presolve", "off")):
+            self.highs.setOptionValue(option, value)
+        self.highs.passModel(lp)
+        self.rows = relax.memory_rows.astype(np.int32)
+
+    def solve(self, capacity_bytes: float, time_limit_s: float):
+        """The LP at ``capacity_bytes`` of non-persistent memory: (solution, objective), or
+        (None, None) when infeasible.
+
+        Raises:
+            NoScheduleFoundError: HiGHS stopped before solving it (time limit)."""
+        relax = self.relax
+        upper = capacity_bytes / relax.unit_bytes - relax.memory_const
+        if (upper < -1e-9).any():
+            return None, None   # some stage's own working set does not fit
+        self.highs.changeRowsBounds(len(self.rows), self.rows,
+                                    np.full(len(self.rows), -highspy.kHighsInf), upper)
+        # HiGHS's time limit counts every run of this object.
+        self.highs.setOptionValue("time_limit",
+                                  self.highs.getRunTime() + max(float(time_limit_s), 1.0))
+        self.highs.run()
+        status = self.highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return None, None
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise NoScheduleFoundError(
+                f"HiGHS did not solve Checkmate's LP relaxation ({len(relax.cost)} columns, "
+                f"{relax.matrix.nnz} nonzeros, {len(relax.layout.blocks)} stages) in the "
+                f"{time_limit_s:.0f} s left of the time limit "
+                f"({self.highs.modelStatusToString(status)}); raise the time limit, or lower "
+                "max_nonzeros to group more")
+        x = np.clip(np.asarray(self.highs.getSolution().col_value), 0.0, 1.0)
+        return x, float(relax.cost @ x)
 
 
 def _round(graph: CostGraph, relax: _Relaxation, kept: np.ndarray) -> tuple[list[int], set[int]]:
@@ -356,40 +407,54 @@ def _saved_per_byte(graph: CostGraph, relax: _Relaxation) -> np.ndarray:
     return value
 
 
-def _fill(graph: CostGraph, relax: _Relaxation, plan: RematPlan, kept: np.ndarray,
-          priority: np.ndarray, budget_bytes: int, outputs: Sequence[int], deadline: float,
-          replay_s: float) -> RematPlan:
-    """Greedy checkpoint filling after phase 2: keep the checkpoints whose absence makes the
-    rounded plan recompute, highest ``priority`` (per LP column) first, while the replayed
-    plan still fits the budget.
+@dataclasses.dataclass
+class _Rounded:
+    """A rounding: its checkpoint columns, schedule and ``schedule_cost``."""
 
-    More checkpoints never mean more recomputation (phase 2 recomputes a subset), so a plan
-    that fits is kept. Runs of candidates are tried at once, doubled on success and halved on
-    failure: about (rejected candidates) x log(candidates) replays. Stops before
-    ``deadline`` (``time.perf_counter``): no replay starts that would end after it if it took
-    1.5 times the last one (``replay_s``, the time of one before the first).
+    kept: np.ndarray
+    schedule: list[int]
+    peak_bytes: int
+    compute_us: float
+
+
+def _rounded(graph: CostGraph, relax: _Relaxation, kept: np.ndarray,
+             outputs: Sequence[int]) -> tuple[_Rounded, set[int]]:
+    """Phase 2 for checkpoint columns ``kept``, costed; and the columns ``_round`` missed."""
+    schedule, missed = _round(graph, relax, kept)
+    return _Rounded(kept, schedule, *schedule_cost(graph, schedule, outputs)), missed
+
+
+def _fill(graph: CostGraph, relax: _Relaxation, rounded: _Rounded, priority: np.ndarray,
+          budget_bytes: int, outputs: Sequence[int], deadline: float, trial_s: float) -> _Rounded:
+    """Greedy checkpoint filling after phase 2: keep the checkpoints whose absence makes the
+    rounded schedule recompute, highest ``priority`` (per LP column) first, while the schedule
+    still fits the budget.
+
+    More checkpoints never mean more recomputation (phase 2 recomputes a subset), so a
+    schedule that fits is kept. Runs of candidates are tried at once, doubled on success and
+    halved on failure: about (rejected candidates) x log(candidates) trials. Stops before
+    ``deadline`` (``time.perf_counter``): no trial starts that would end after it if it took
+    1.5 times the last one (``trial_s``, the time of one before the first).
     """
-    missed = _round(graph, relax, kept)[1]
+    missed = _round(graph, relax, rounded.kept)[1]
     rejected: set[int] = set()
     run = len(missed)
-    while time.perf_counter() + 1.5 * replay_s < deadline:
+    while time.perf_counter() + 1.5 * trial_s < deadline:
         candidates = sorted(missed - rejected, key=lambda c: (-priority[c], c))
         if not candidates:
             break
         begin = time.perf_counter()
-        trial = kept.copy()
+        trial = rounded.kept.copy()
         trial[candidates[:run]] = True
-        schedule, trial_missed = _round(graph, relax, trial)
-        candidate = plan_from_schedule(graph, schedule, budget_bytes, "checkmate_lp",
-                                       plan.stats, outputs)
-        replay_s = time.perf_counter() - begin
+        candidate, trial_missed = _rounded(graph, relax, trial, outputs)
+        trial_s = time.perf_counter() - begin
         if candidate.peak_bytes <= budget_bytes:
-            plan, kept, missed, run = candidate, trial, trial_missed, 2 * run
+            rounded, missed, run = candidate, trial_missed, 2 * run
         elif run > 1:
             run //= 2
         else:
             rejected.add(candidates[0])
-    return plan
+    return rounded
 
 
 def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] = (),
@@ -433,6 +498,7 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     start = time.perf_counter()
     minimum = check_budget(graph, budget_bytes, outputs)
     relax = _relaxation(graph, budget_bytes, outputs, max_groups, max_nonzeros)
+    solver = _Solver(relax)
     build_s = time.perf_counter() - start
     persistent = float(graph.persistent_bytes.sum())
     rng = np.random.default_rng(seed)
@@ -440,15 +506,23 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
     best, lp_overhead, solves, lp_s, tried, scale = None, None, 0, 0.0, {}, 1.0
     feasible = tried_scale = 1.0  # the lowest scale whose LP is feasible, the last tried
     last_x = None                 # the LP's solution there
-    replay_s = 0.0                # the time of the last rounding's replay
+    trial_s = 0.0                 # the time of the last rounding's phase 2 and costing
     while best is None and scale >= MIN_SCALE:
         left = time_limit_s - (time.perf_counter() - start)
         if left <= 0:
             break
         begin, tried_scale = time.perf_counter(), scale
-        x, objective = _solve(relax, scale * budget_bytes - persistent, left)
-        lp_s += time.perf_counter() - begin
-        solves += 1
+        try:
+            # A re-solve leaves half of the time for the fallback and the fill.
+            x, objective = solver.solve(scale * budget_bytes - persistent,
+                                        left if last_x is None else left / 2)
+        except NoScheduleFoundError:
+            if last_x is None:
+                raise
+            break   # out of time for a re-solve: fill from the last solution's fallback
+        finally:
+            lp_s += time.perf_counter() - begin
+            solves += 1
         if x is None:
             if scale == 1.0 and relax.grouped:
                 raise NoScheduleFoundError(
@@ -478,45 +552,50 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
                 lowest = min(lowest, tried[key])
                 continue
             begin = time.perf_counter()
-            plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
-                                      "checkmate_lp", {}, outputs)
-            replay_s = time.perf_counter() - begin
-            tried[key] = plan.peak_bytes
-            lowest = min(lowest, plan.peak_bytes)
-            if plan.peak_bytes <= budget_bytes and (best is None
-                                                    or plan.compute_us < best.compute_us):
-                best, best_kept, best_x = plan, kept, x
-                best.stats.update(rounding=kind, threshold=threshold, budget_scale=scale)
+            rounded = _rounded(graph, relax, kept, outputs)[0]
+            trial_s = time.perf_counter() - begin
+            tried[key] = rounded.peak_bytes
+            lowest = min(lowest, rounded.peak_bytes)
+            if rounded.peak_bytes <= budget_bytes and (best is None
+                                                       or rounded.compute_us < best.compute_us):
+                best, best_x = rounded, x
+                chosen = dict(rounding=kind, threshold=threshold, budget_scale=scale)
         # Persistent bytes are no rounding's to save: scale what the LP decides on.
         scale = min(scale * SCALE_STEP, scale * (budget_bytes - persistent)
                     / max(lowest - persistent, 1.0))
     if (best is None and last_x is not None
-            and time.perf_counter() + replay_s < start + time_limit_s):
+            and time.perf_counter() + trial_s < start + time_limit_s):
         # Last resort, a start for the fill: no checkpoint kept, every read of an earlier
         # stage recomputed (less memory than any rounding on mlp/default at 0.9, 7.4x compute).
-        kept = np.zeros(len(relax.cost), dtype=bool)
-        plan = plan_from_schedule(graph, _round(graph, relax, kept)[0], budget_bytes,
-                                  "checkmate_lp", {}, outputs)
-        if plan.peak_bytes <= budget_bytes:
-            best, best_kept, best_x = plan, kept, last_x
-            best.stats.update(rounding="none", threshold=None, budget_scale=feasible)
+        rounded = _rounded(graph, relax, np.zeros(len(relax.cost), dtype=bool), outputs)[0]
+        if rounded.peak_bytes <= budget_bytes:
+            best, best_x = rounded, last_x
+            chosen = dict(rounding="none", threshold=None, budget_scale=feasible)
     if best is None:
         raise NoScheduleFoundError(
             f"no rounding of Checkmate's LP fits {budget_bytes} bytes ({solves} LP solves, "
             f"down to {tried_scale:.2f} of the budget, in "
             f"{time.perf_counter() - start:.1f} s); raise the budget or use the DTR simulator")
-    # Two greedy orders, the cheaper plan wins: the LP's values (what the relaxation would
+    # Two greedy orders, the cheaper schedule wins: the LP's values (what the relaxation would
     # keep), and compute saved per byte held (on resnet/default at 0.7 it found 1.085 where
     # the LP's order stopped at 1.098; elsewhere they tie).
-    rounded_overhead, rounded = best.overhead, best
+    rounded = best
+    # The fill leaves time for one plan_from_schedule of its start, the longest schedule.
+    deadline = start + time_limit_s - REPLAY_S_PER_POSITION * len(rounded.schedule)
     for order, priority in (("lp", best_x), ("saved_per_byte", _saved_per_byte(graph, relax))):
-        filled = _fill(graph, relax, rounded, best_kept, priority, budget_bytes, outputs,
-                       start + time_limit_s, replay_s)
+        filled = _fill(graph, relax, rounded, priority, budget_bytes, outputs, deadline,
+                       trial_s)
         if filled.compute_us < best.compute_us or best is rounded:
-            best = filled
-            best.stats["fill_order"] = order
-    best.stats.update(
-        lp_overhead=lp_overhead, rounded_overhead=rounded_overhead,
+            best, chosen["fill_order"] = filled, order
+    plan = plan_from_schedule(graph, best.schedule, budget_bytes, "checkmate_lp", chosen,
+                              outputs)
+    if plan.peak_bytes != best.peak_bytes:
+        raise RuntimeError(
+            f"internal error: remat.schedule.schedule_cost put the schedule's peak at "
+            f"{best.peak_bytes} bytes, its replay at {plan.peak_bytes}")
+    plan.stats.update(
+        lp_overhead=lp_overhead, rounded_overhead=(rounded.compute_us / plan.baseline_compute_us
+                                                   if plan.baseline_compute_us else 1.0),
         lp_is_bound=not relax.grouped, grouped=relax.grouped,
         lp_solves=solves, lp_s=lp_s, build_s=build_s, solve_s=time.perf_counter() - start,
         num_stages=len(relax.layout.blocks), num_units=int(relax.unit_of.max(initial=-1)) + 1,
@@ -524,4 +603,4 @@ def checkmate_lp(graph: CostGraph, budget_bytes: int, *, outputs: Sequence[int] 
         num_nonzeros=relax.matrix.nnz, num_decision_ops=int(relax.layout.decision.sum()),
         requested_nonzeros_estimate=relax.first_estimate,
         minimum_bytes=minimum)
-    return best
+    return plan

@@ -5,8 +5,9 @@ import pytest
 
 from graphfit.profiler.synthetic import training_like
 from graphfit.remat import baselines, checkmate_lp as lp_module, simulator
-from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp
+from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp, stages
 from graphfit.remat.checkmate_lp import checkmate_lp
+from graphfit.remat.schedule import plan_from_schedule, schedule_cost
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
 from graphfit.tools.bench_remat_milp import activation_heavy
 
@@ -121,3 +122,68 @@ def test_an_infeasible_grouped_lp_is_no_proof_of_infeasibility():
     assert replay_plan(g, plan).peak_bytes <= budget
     with pytest.raises(NoScheduleFoundError, match="grouped LP .* full model may have one"):
         checkmate_lp(g, budget, max_groups=4)
+
+
+def test_schedule_cost_is_the_replayed_peak_and_compute():
+    """``schedule_cost`` (arrays, no checks) agrees exactly with ``plan_from_schedule`` and its
+    replay on the schedules the rounding makes: none, some and all checkpoints kept."""
+    g = activation_heavy(training_like(60, seed=4), 64)
+    outputs = [g.num_tensors - 1]
+    budget = baselines.checkpoint_all(g, outputs=outputs).peak_bytes
+    relax = lp_module._relaxation(g, budget, outputs, None)
+    rng = np.random.default_rng(0)
+    for fraction in (0.0, 0.2, 0.6, 1.0):
+        schedule = lp_module._round(g, relax, rng.random(len(relax.cost)) < fraction)[0]
+        plan = plan_from_schedule(g, schedule, None, "test", {}, outputs)
+        peak, compute = schedule_cost(g, schedule, outputs)
+        assert peak == plan.peak_bytes
+        assert compute == pytest.approx(plan.compute_us, rel=1e-12)
+
+
+def test_warm_resolves_without_presolve_match_cold_solves():
+    """The solver keeps one HiGHS model and re-solves it from its last basis at lower
+    capacities (presolve off): each optimum equals that of a cold solve with presolve
+    (scipy's linprog) at the same capacity, and each solution satisfies the rows."""
+    from scipy.optimize import linprog
+
+    g = activation_heavy(training_like(60, seed=4), 64)
+    budget = int(0.9 * baselines.checkpoint_all(g).peak_bytes)
+    relax = lp_module._relaxation(g, budget, (), None)
+    solver = lp_module._Solver(relax)
+    persistent = float(g.persistent_bytes.sum())
+    solved = infeasible = 0
+    for scale in (1.0, 0.9, 0.8, 0.6, 0.3, 0.95):
+        capacity = scale * budget - persistent
+        x, objective = solver.solve(capacity, 60)
+        b = relax.b_fixed.copy()
+        b[relax.memory_rows] = capacity / relax.unit_bytes - relax.memory_const
+        cold = linprog(relax.cost, A_ub=relax.matrix, b_ub=b, bounds=(0.0, 1.0), method="highs")
+        if cold.status == 2:
+            assert x is None
+            infeasible += 1
+            continue
+        assert cold.status == 0 and x is not None
+        assert objective == pytest.approx(cold.fun, abs=1e-7)
+        assert (relax.matrix @ x <= b + 1e-6).all()
+        solved += 1
+    assert solved >= 3 and infeasible >= 1
+
+
+def test_regrouping_ends_when_one_group_fewer_changes_nothing():
+    """Just above ``max_nonzeros`` the LP is grouped and has fewer stages (one group fewer than
+    stage ends once merged nothing and regrouped forever)."""
+    g = activation_heavy(training_like(60, seed=4), 64)
+    budget = baselines.checkpoint_all(g).peak_bytes
+    full = lp_module._relaxation(g, budget, (), None)
+    assert not full.grouped
+    small = lp_module._relaxation(g, budget, (), None, full.first_estimate - 1)
+    assert small.grouped and len(small.layout.blocks) < len(full.layout.blocks)
+    assert small.matrix.nnz < full.matrix.nnz
+
+
+def test_stages_grouped_equals_stages_built_grouped():
+    g = activation_heavy(training_like(60, seed=4), 64)
+    ungrouped = stages(g, None, (), None)
+    for max_stages in (None, 40, 7, 1):
+        direct, regrouped = stages(g, None, (), max_stages), ungrouped.grouped(max_stages)
+        assert direct.blocks == regrouped.blocks and direct.coarsened == regrouped.coarsened

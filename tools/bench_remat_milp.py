@@ -135,7 +135,7 @@ def _run(planner: str, graph: CostGraph, budget: int, outputs: list[int],
         row.update({k: plan.stats[k] for k in (
             "lp_overhead", "lp_is_bound", "rounded_overhead", "grouped", "num_decision_ops",
             "num_stages", "num_variables", "num_constraints", "num_nonzeros",
-            "requested_nonzeros_estimate", "fill_order", "lp_s",
+            "requested_nonzeros_estimate", "fill_order", "build_s", "lp_s",
             "lp_solves", "rounding", "budget_scale")})
     return row
 
@@ -266,13 +266,14 @@ def main(time_limit_s: float = 20.0) -> dict:
 def _lp_cells(lp: dict) -> str:
     """The LP's size and times, its value, the rounded and the filled plan's overhead."""
     if "lp_s" not in lp:
-        return f"{'':>38}{lp['seconds']:>7.1f}{'':>8}{'':>8}{_cell(lp):>8}"
+        return f"{'':>48}{lp['seconds']:>7.1f}{'':>8}{'':>8}{_cell(lp):>8}"
     shape = ("full" if not lp["grouped"]
              else f"/{lp['num_decision_ops'] / lp['num_stages']:.1f}")
     value = f"{'≥' if lp['lp_is_bound'] else '~'}{lp['lp_overhead']:.3f}"
     plan = f"{lp['overhead']:.3f}" if lp["within_budget"] else _cell(lp)
     return (f"{shape:>6}{lp['num_decision_ops']:>7}{lp['num_stages']:>7}"
-            f"{lp['num_variables']:>9}{lp['num_nonzeros']:>9}{lp['lp_s']:>7.1f}"
+            f"{lp['num_variables']:>9}{lp['num_nonzeros']:>9}{lp['build_s']:>7.1f}"
+            f"{lp['lp_s']:>7.1f}{lp['lp_solves']:>3}"
             f"{lp['seconds']:>7.1f}{value:>8}{lp['rounded_overhead']:>8.3f}{plan:>8}")
 
 
@@ -282,10 +283,11 @@ def _zoo_table(rows: list[dict]) -> str:
              "Checkmate's MILP: its value '≥v' is a lower bound),",
              "'/k' = k decision ops per group (a coarsened LP: its value '~v' bounds nothing); "
              "decision ops, stages, LP columns and nonzeros,",
-             "HiGHS time (all solves) and total planning time (s); LP value, the best phase-1/2 "
+             "LP build time, HiGHS time (all solves, and how many) and total planning time (s); "
+             "LP value, the best phase-1/2 "
              "rounding, the plan after greedy filling; dtr, offline.",
              f"{'graph':<24}{'ops':>6}{'ratio':>6}{'LP':>6}{'dec.':>7}{'stages':>7}{'cols':>9}"
-             f"{'nnz':>9}{'lp s':>7}{'tot s':>7}{'LP':>8}{'rounded':>8}{'plan':>8}{'dtr':>9}"
+             f"{'nnz':>9}{'build':>7}{'lp s':>7}{'#':>3}{'tot s':>7}{'LP':>8}{'rounded':>8}{'plan':>8}{'dtr':>9}"
              f"{'offline':>9}"]
     for row in rows:
         lines.append(f"{row['graph']:<24}{row['num_ops']:>6}{row['ratio']:>6.2f}"
