@@ -19,7 +19,11 @@ allocates, so this module calibrates a cost graph against one traced step:
   tensors 0 bytes instead would let a planner keep an intermediate alive "for free" and
   recompute only the tail of the chain: TF then cannot forward the buffer and allocates a new
   one (measured: +28 MiB over the plan on the 16-layer MLP). ``expand_plan`` turns a plan of
-  chains back into a plan of ops, which clones a chain whole.
+  chains back into a plan of ops, which clones a chain whole. A producer joins a chain when
+  its op has one output, whatever the trace shows: with oneDNN on, a filter gradient fused
+  with its ``BiasAddGrad`` traces the bias gradient as its second output, and SGD's
+  ``lr * gradient`` still writes into the filter gradient's buffer (counted as a new buffer,
+  it raised ``keras.applications.ResNet50``'s lower bound from 0.46 to 0.50 of its peak).
 - **Run-time fusions are one node.** Grappler's remapper (e.g. ``MatMul`` + ``BiasAdd`` +
   ``Relu`` into ``_FusedMatMul``) and, with oneDNN on, TF's ``MklLayoutRewritePass`` (e.g.
   ``Conv2D`` into its ``BiasAdd``, ``FUSABLE_PAIRS``) run an op inside its reader; the trace
@@ -203,7 +207,7 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
         sharing = collections.Counter(forwards.values())
         for output_port, (producer, port) in forwards.items():
             if (len(forwards) == 1 and readers[(producer, port)] == 1
-                    and len(trace.address[producer]) == 1 and producer not in awaited
+                    and num_outputs[producer] == 1 and producer not in awaited
                     and spec.name not in chained
                     and not _reads_later_buffer(spec, producer, head.get(producer, producer),
                                                trace)):
