@@ -126,7 +126,7 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import measure_rewrite, measure_step
     from graphfit.remat.pipeline import rematerialize
-    from graphfit.remat.step_time import trace_step
+    from graphfit.remat.step_time import trace_for_prediction
 
     baseline = measure_step(original, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
     budget = int(budget_bytes if budget_bytes is not None
@@ -134,7 +134,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     profile = (baseline.profile if item is original else
                measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices).profile)
     planning_budget, rounds = budget, []
-    traces = trace_step(original, item) if verify else None     # the same for every round
+    # The same for every round of planning.
+    traces = trace_for_prediction(original, item) if verify else None
     for _ in range(MAX_PLAN_ROUNDS):
         try:
             rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,

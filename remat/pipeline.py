@@ -13,14 +13,19 @@ rewrite (``remat.rewrite``). ``plan_for_budget`` is the planning step alone, for
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from graphfit.errors import ArgumentError, GraphfitError, check_number
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.profile import Profile
-# tools.train reads --memory_budget with it from here; the definition is profiler.sizes'.
 from graphfit.remat.plan import RematPlan
+
+if TYPE_CHECKING:   # both import TF; annotations only
+    from graphfit.remat.step_time import StepTraces
+    from graphfit.remat.tf_memory import MemoryModel
 
 __all__ = ["PLANNERS", "BASELINE_PLANNERS", "GRAPH_PASSES", "BudgetError", "plan_for_budget",
            "prepare_step", "rematerialize", "resident_outputs"]
@@ -180,7 +185,8 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
             transformer and 1.17 on the Keras attention step, and no step-time gain could
             be shown on the loaded machine. ``False`` chains the backward pass strictly in
             plan order.
-        step_traces: traces of the step and of the user's (``remat.step_time.trace_step``):
+        step_traces: traces of the step and of the user's
+            (``remat.step_time.trace_for_prediction``):
             predict the rewritten step's wall time against the user's, into
             ``plan.stats["step_time"]``. Only with the strict chain (``side_by_side=False``).
 

@@ -42,7 +42,7 @@ from graphfit.profiler.session import serial_config, step_config, user_config
 from graphfit.remat.plan import FREE, RematPlan
 from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "trace_step"]
+__all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "trace_for_prediction"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +132,8 @@ class StepTraces(NamedTuple):
     user: StepIntervals | None
 
 
-def trace_step(original: GraphItem, item: GraphItem, rounds: int = 5, traced: int = 4,
-               min_seconds: float = 3.0) -> StepTraces:
+def trace_for_prediction(original: GraphItem, item: GraphItem, rounds: int = 5,
+                         traced: int = 4, min_seconds: float = 3.0) -> StepTraces:
     """Trace ``item`` (the step a plan is made for: ``original`` after the graph passes) as it
     runs and one op at a time, and ``original`` as the user runs it (TF's defaults), for
     ``predict_step_time(names, plan, pinned_from, *traces)``: the untraced walls of all three
