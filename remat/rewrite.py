@@ -33,6 +33,22 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
   calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
   it too cost Inception-V3 10-25 % step time).
+- **Edges from nodes Grappler keeps.** Grappler folds some pinned nodes into constants and
+  drops others; a node pinned after one of them would be ordered after nothing.
+  ``remat.grappler_pins`` runs Grappler offline on the pinned step and gives such nodes an
+  edge from what the removed node waited for.
+- **Edges Grappler cannot re-associate away.** Where a data edge from the previous event
+  already orders a pinned node, an ordering edge would be redundant, except on ``Mul``,
+  ``Add`` and ``AddV2``: Grappler's arithmetic optimizer (its ``MinimizeBroadcasts`` and
+  ``AddOpsRewrite`` stages) regroups a tree of such ops, handing inputs from one node to
+  another, and it leaves alone only nodes with a control edge in or out. On a Keras attention
+  step it turned ``mul_1 = sub * Softmax`` (pinned by its read of ``sub``) into
+  ``mul_1 = scale * Softmax``, which then ran as soon as the recomputed ``Softmax`` existed
+  and held a new 4 MiB buffer until ``sub`` ran (measured peak 1.04-1.19 of the plan with
+  two events side by side). An ordering edge from the node the data edge comes from does not
+  help: Grappler drops a control input that is also a data input. Such a node gets an edge
+  from the latest earlier event that is not one of its data inputs: that event has finished
+  anyway, so the edge changes no order, and it keeps the node out of the regrouping.
 - **Two at a time where memory allows** (opt-in: ``remat.pipeline.rematerialize(...,
   side_by_side=True)``). A strict chain also takes TF's inter-op parallelism from the
   backward pass (on a DenseNet-style Keras net about 0.2 of the step's wall time).
@@ -92,7 +108,10 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.tf_function import BACKWARD_SCOPE
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
+from graphfit.profiler.session import session_config
+from graphfit.profiler.trace import step_fetches
 from graphfit.remat.graph_def_walk import GraphDefPassError, topological_order
+from graphfit.remat.grappler_pins import repin_removed_anchors
 from graphfit.remat.recompute_graph import clone_name
 from graphfit.remat.remapper_fusions import keep_remapper_fusions
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
@@ -102,6 +121,10 @@ __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
            "check_recomputable"]
 
 
+
+
+# Ops Grappler's arithmetic optimizer regroups (re-associates) unless they have a control edge.
+REGROUPED_OP_TYPES = frozenset({"Mul", "Add", "AddV2"})
 
 
 class RematRewriteError(GraphfitError, ValueError):
@@ -321,6 +344,25 @@ def _window_anchors(events_run: list[tuple[str, bool]], runs_beside: bool) -> li
     return [anchor] + earlier
 
 
+def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[tuple[str, bool]],
+                      anchors: list[str]) -> str | None:
+    """For a pinned ``REGROUPED_OP_TYPES`` node without a control input Grappler keeps: the
+    latest event, no later than its ``anchors`` (so it has finished when the node may
+    start), that is not one of its data inputs (module docstring, "Edges Grappler cannot
+    re-associate away"); ``None`` if it needs none or none exists."""
+    if node.op not in REGROUPED_OP_TYPES or not anchors:
+        return None
+    data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
+    if any(name.startswith("^") and name[1:] not in data for name in node.input):
+        return None
+    reached = False                      # at or before the latest anchor
+    for name, _ in reversed(events_run):
+        reached = reached or name in anchors
+        if reached and name not in data:
+            return name
+    return None
+
+
 def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             pin_order: str = "tail", beside: "set[int] | frozenset[int]" = frozenset()
             ) -> GraphItem:
@@ -426,17 +468,22 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         runs_beside = position in beside
         if event.kind == RECOMPUTE or (pin_order == "tail" and pinning and previous is not None
                                        and node.input):
-            anchors[node.name] = _window_anchors(events_run, runs_beside)
-            for anchor in anchors[node.name]:
+            waits_for = anchors[node.name] = _window_anchors(events_run, runs_beside)
+            for anchor in waits_for:
                 if not any(_split_input(name)[0] == anchor for name in node.input):
                     node.input.append("^" + anchor)
                     control_edges += 1
+            guard = _regrouping_guard(node, events_run, waits_for)
+            if guard is not None:
+                node.input.append("^" + guard)
+                control_edges += 1
         previous = version[op_name]
         events_run.append((previous, runs_beside))
 
     graph_def.node.extend(clones)
     _check_pinned(graph_def, anchors)
     _check_acyclic(graph_def)
+    repinned = repin_removed_anchors(graph_def, anchors, step_fetches(item), session_config())
     unfused = _protect_fusions(graph_def)
     fusions = keep_remapper_fusions(graph_def)
     graph = tf.Graph()
@@ -445,6 +492,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     rewritten = item.with_graph(graph)
     rewritten.config = {**item.config,
                         "remat": {"clones": len(clones), "control_edges": control_edges,
+                                  "repinned_after_grappler": repinned,
                                   "unfused_pairs": unfused,
                                   "remapper_groups_freed": fusions["freed"],
                                   "pinned_from": pinned_from if pin_order == "tail" else None,
