@@ -307,7 +307,7 @@ class ScheduleBuilder:
         self.pending_frees: list[tuple[float, int, int, int]] = []  # (time, d, bytes, copy)
         # per device, the releases so far: times and the bytes released up to each (a copy
         # sent before the clock meets the bytes released since its transfer began); the
-        # pending releases no commit can postpone, a heap per device (start_shortfall_bytes)
+        # pending releases no commit can postpone, per device (start_shortfall_bytes)
         self.release_times: list[list[float]] = [[] for _ in range(d)]
         self.released_bytes: list[list[int]] = [[0] for _ in range(d)]
         self.final_frees = [_PendingReleases() for _ in range(d)]
