@@ -27,8 +27,8 @@ fork-join graphs at 1.1 x, three workers fitted with a reserve of 0.15 or 0.2 an
 other), and the one-worker order is slower than m-TOPO's near-serial step at its tightest
 limit (consecutive units on different devices wait for transfers): with reserves of 0 and 0.1
 only, five of 16 such placements fell to one worker and took 1.08-1.17 x m-TOPO's makespan;
-with the finer reserves, and without favourites, a parallel order fits in all 16, within
-0.81-0.96 x. m-SCT's favourites are only a preference, and at such limits the favourite
+with the finer reserves, and without favourites, an order of 2-4 workers fits in all 16,
+within 0.71-0.96 x. m-SCT's favourites are only a preference, and at such limits the favourite
 parent's device is often too full for the join to come.
 
 Devices, in that order:
@@ -98,8 +98,9 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
 
     Returns:
         The ``Schedule`` of the first attempt that fits (orders as above; in each, the
-        reserves in turn with the favourite parents, then without them); ``info["memory_first"]`` is True, ``info["memory_first_order"]``
-        names the order (``"release_first/<workers>"`` or ``"topological"``),
+        reserves in turn with the favourite parents, then without them);
+        ``info["memory_first"]`` is True, ``info["memory_first_order"]`` names the order
+        (``"release_first/<workers>"`` or ``"topological"``),
         ``info["memory_first_reserve"]`` its reserve and ``info["memory_first_favourites"]``
         whether it kept the favourite parents.
 
