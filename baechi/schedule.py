@@ -503,8 +503,9 @@ class ScheduleBuilder:
             self.release_times[d].append(when)
             self.released_bytes[d].append(self.released_bytes[d][-1] + nbytes)
             released = True
-        for releases in self.final_frees:  # the same releases, done
-            releases.drop_until(self.clock)
+        if self.transient_copies:
+            for releases in self.final_frees:  # the same releases, done
+                releases.drop_until(self.clock)
         return released
 
     def _charge(self, d: int, nbytes: int) -> None:
