@@ -15,13 +15,21 @@ after every sibling branch: on fork-join graphs (64 branches joined by a tree of
 topological order holds every branch's output at once, and at 1.1 x (sequential peak / 4) each
 device's slack was about one tensor, too little for a join's output plus a copy of an input; in
 this order the peak is about 0.6 of that limit. The workers keep that many units side by side.
-Attempts, the first that fits wins: as many workers as devices (the most parallel order), then
-one fewer, down to one (``release_first/1`` finishes a branch and its joins before starting the
-next: the fewest tensors alive at once, and the least fragmented devices; on fork-join graphs
-with 16 short branches, where one join's inputs and output are 0.95-1.09 of (sequential peak /
-4), some instances fit at 1.1 x that only in this order); each with a reserve of 0, then of
-0.1 (``RESERVES``, below); last, the topological order (the one that defines the sequential
-peak).
+Orders, in turn: as many workers as devices (the most parallel order), then one fewer, down
+to one (``release_first/1`` finishes a branch and its joins before starting the next: the
+fewest tensors alive at once, and the least fragmented devices; on fork-join graphs with 16
+short branches, where one join's inputs and output are 0.95-1.09 of (sequential peak / 4), some
+instances fit at 1.1 x that only in this order); last, the topological order (the one that
+defines the sequential peak). Each order is tried with the reserves of ``RESERVES`` (below) in
+turn, under m-SCT first with the favourite parents and then without them; the first attempt
+that fits wins. Which reserve fits at a limit near the floor is hard to foresee (on those
+fork-join graphs at 1.1 x, three workers fitted with a reserve of 0.15 or 0.2 and with no
+other), and the one-worker order is slower than m-TOPO's near-serial step at its tightest
+limit (consecutive units on different devices wait for transfers): with reserves of 0 and 0.1
+only, five of 16 such placements fell to one worker and took 1.08-1.17 x m-TOPO's makespan;
+with the finer reserves, and without favourites, an order of 2-4 workers fits in all 16,
+within 0.71-0.96 x. m-SCT's favourites are only a preference, and at such limits the favourite
+parent's device is often too full for the join to come.
 
 Devices, in that order:
 
@@ -60,6 +68,7 @@ ordering edges (``Placement.gated_reads`` and ``Placement.memory_order``, writte
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import numpy as np
 
@@ -69,15 +78,16 @@ from graphfit.baechi.units import UnitGraph
 
 __all__ = ["RESERVES", "memory_first", "release_first_order"]
 
-# The device choice's reserve (a fraction of each limit, module docstring), tried in turn.
-RESERVES = (0.0, 0.1)
+# The device choice's reserves (fractions of each limit, module docstring), tried in turn.
+RESERVES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 
 
 def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
                  favourite_parent: np.ndarray | None = None, method: str = "m_etf") -> Schedule:
     """Place units in a memory-lean order (``release_first_order`` on as many workers as
-    devices, else on one, else the topological order) on the device where each fits and starts earliest, keeping every device's resident
-    bytes balanced (module docstring).
+    devices, then fewer, down to one, else the topological order) on the device where each
+    fits and starts earliest, keeping every device's resident bytes balanced (module
+    docstring).
 
     Parameters:
         units: the unit graph.
@@ -87,24 +97,34 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
         method: name used in error messages.
 
     Returns:
-        The ``Schedule``; ``info["memory_first"]`` is True, ``info["memory_first_order"]``
-        names the order that fitted (``"release_first"``, ``"release_first_sequential"`` or
-        ``"topological"``).
+        The ``Schedule`` of the first attempt that fits (orders as above; in each, the
+        reserves in turn with the favourite parents, then without them);
+        ``info["memory_first"]`` is True, ``info["memory_first_order"]`` names the order
+        (``"release_first/<workers>"`` or ``"topological"``),
+        ``info["memory_first_reserve"]`` its reserve and ``info["memory_first_favourites"]``
+        whether it kept the favourite parents.
 
     Raises:
         PlacementError: a unit fits on no device and no memory will be released, in any
             order (the message names the unit, the device and the missing bytes).
     """
-    attempts = [(f"release_first/{workers}", lambda w=workers: release_first_order(units, w),
-                 reserve) for workers in range(len(devices), 0, -1) for reserve in RESERVES]
-    attempts.append(("topological", lambda: units.topological_order.tolist(), RESERVES[-1]))
-    for k, (name, order, reserve) in enumerate(attempts):
-        try:
-            return _place_in_order(units, devices, memory_model, favourite_parent, method,
-                                   order(), name, reserve)
-        except PlacementError:
-            if k == len(attempts) - 1:
-                raise
+    orders = [(f"release_first/{workers}", lambda w=workers: release_first_order(units, w))
+              for workers in range(len(devices), 0, -1)]
+    orders.append(("topological", lambda: units.topological_order.tolist()))
+    preferences = [favourite_parent] + ([None] if favourite_parent is not None else [])
+    for k, (name, make_order) in enumerate(orders):
+        order = make_order()
+        for j, (fav, reserve) in enumerate(itertools.product(preferences, RESERVES)):
+            try:
+                schedule = _place_in_order(units, devices, memory_model, fav, method, order,
+                                           name, reserve)
+            except PlacementError:
+                if k == len(orders) - 1 and j == len(preferences) * len(RESERVES) - 1:
+                    raise
+                continue
+            schedule.info.update(memory_first_reserve=reserve,
+                                 memory_first_favourites=fav is not None)
+            return schedule
 
 
 def _place_in_order(units: UnitGraph, devices: DeviceSet, memory_model: str,
