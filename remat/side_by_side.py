@@ -23,13 +23,13 @@ most the plan's own replayed peak, so the window never predicts a higher peak th
 An event that reads an output of the event before it cannot overlap it anyway and keeps the
 strict pin (its data edge is the pin).
 
-Measured (``remat.pipeline.rematerialize(..., side_by_side=True)``, at 0.5, oneDNN off):
-measured peak / plan 1.000 on the mlp, resnet, Keras conv, depthwise and DenseNet-style
-steps. On the zoo transformer (1.05-1.16) and a Keras attention step (1.04-1.19) the pins
-did not survive Grappler: it folded pinned shape ops and re-associated the softmax
-gradient's ``Mul``s off their anchors (``remat.grappler_pins``). With pins that hold, 0.997
-and at most 1.000 over 32 traced runs of 8 plans. It stays off by default: no step-time gain
-over the strict chain was measured (DenseNet-style 1.12 both, Keras attention 1.36-1.38).
+Measured (``tools.bench_side_by_side``: one plan at 0.5, oneDNN off, lowered both ways and
+timed side by side with the user's step): measured peak / plan 1.000 both ways on the mlp,
+resnet, Keras conv, depthwise, attention and DenseNet-style steps, 0.997 on the zoo
+transformer (after ``remat.grappler_pins`` made the pins hold through Grappler). Step time:
+the DenseNet-style step, many small ops that leave a core idle, 1.181 -> 1.050 of the user's
+step; the other six within -2% and +6% of the strict chain, the sign changing between runs
+(their ops use both cores through intra-op threads). It is ``rematerialize``'s default.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "loops": "graphfit.tools.bench_loops",
     "reach": "graphfit.tools.bench_reach",
     "grappler": "graphfit.tools.bench_grappler",
+    "side_by_side": "graphfit.tools.bench_side_by_side",
 }
 
 
