@@ -163,7 +163,7 @@ def plan_for_budget(cost_graph: CostGraph, budget_bytes: int | None, heuristic: 
 def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph | MemoryModel",
                   budget_bytes: int | None = None, budget_ratio: float | None = None,
                   heuristic: str = "dtr", overhead_limit: float = 2.0,
-                  side_by_side: bool = True, step_traces: "StepTraces | None" = None
+                  side_by_side: bool = False, step_traces: "StepTraces | None" = None
                   ) -> tuple[GraphItem, RematPlan]:
     """Rewrite ``item`` so that its step fits a memory budget, recomputing what it must.
 
@@ -181,7 +181,9 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
         side_by_side: let the rewrite run two adjacent events of the backward pass at once
             wherever that stays within the plan's peak (``remat.side_by_side``), so TF's
             inter-op threads are not all lost to the chain (``tools.bench_side_by_side``:
-            a Keras DenseNet-style step 1.18 -> 1.05 of the user's; -2% to +6% elsewhere);
+            a Keras DenseNet-style step 1.18 -> 1.05 of the user's; -2% to +6% elsewhere).
+            Off by default: its measured peak can exceed the plan (Keras attention, 1.04-1.17
+            in 3 of 6 runs), so ``baechi.optimize`` uses it only when it measures the step.
             ``False`` chains the backward pass strictly in plan order.
         step_traces: traces of the step and of the user's
             (``remat.step_time.trace_for_prediction``):

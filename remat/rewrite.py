@@ -49,9 +49,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   help: Grappler drops a control input that is also a data input. Such a node gets an edge
   from the latest earlier event that is not one of its data inputs: that event has finished
   anyway, so the edge changes no order, and it keeps the node out of the regrouping.
-- **Two at a time where memory allows** (``remat.pipeline.rematerialize``'s default;
-  ``side_by_side=False`` keeps the strict chain). A strict chain also takes TF's inter-op parallelism from the
-  backward pass (on a DenseNet-style Keras net about 0.2 of the step's wall time).
+- **Two at a time where memory allows** (``remat.pipeline.rematerialize(...,
+  side_by_side=True)``; ``baechi.optimize`` when it verifies). A strict chain also takes TF's
+  inter-op parallelism from the backward pass (on a DenseNet-style Keras net about 0.2 of the
+  step's wall time).
   ``remat.side_by_side`` marks the events whose running beside the event before
   them keeps the plan's replayed peak (``beside``); such a node waits for the event two back
   instead (plus three back where that one itself ran beside its predecessor), every other

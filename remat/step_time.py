@@ -19,8 +19,8 @@ those ops run one at a time. The rewritten step then costs::
 - ``gap``: the serial step's wall time over the sum of its op times (the executor's time
   between ops, and tracing's: every time is of untraced steps, ``profiler.op_intervals``).
 
-Where the rewrite lets two adjacent events run side by side (``remat.side_by_side``, the
-default), the prediction still counts them one after the other. On two cores most ops already
+Where the rewrite lets two adjacent events run side by side (``remat.side_by_side``; in
+``baechi.optimize`` when it verifies), the prediction still counts them one after the other. On two cores most ops already
 use both through their intra-op threads: measured against the strict chain (same plan, paired
 rounds, ``tools.bench_side_by_side``) the window changed six steps by -2% to +6% and saved 11%
 only on a DenseNet-style step of many small ops. Crediting the overlap with the op times of
