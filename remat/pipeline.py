@@ -182,8 +182,8 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
             wherever that stays within the plan's peak (``remat.side_by_side``), so TF's
             inter-op threads are not all lost to the chain (``tools.bench_side_by_side``:
             a Keras DenseNet-style step 1.18 -> 1.05 of the user's; -2% to +6% elsewhere).
-            Off by default: its measured peak can exceed the plan (Keras attention, 1.04-1.17
-            in 3 of 6 runs), so ``baechi.optimize`` uses it only when it measures the step.
+            Off by default: its measured peak can exceed the plan (Keras attention, 1.04-1.19
+            in 4 of 11 runs), so ``baechi.optimize`` uses it only when it measures the step.
             ``False`` chains the backward pass strictly in plan order.
         step_traces: traces of the step and of the user's
             (``remat.step_time.trace_for_prediction``):

@@ -30,7 +30,7 @@ transformer (after ``remat.grappler_pins`` made the pins hold through Grappler).
 the DenseNet-style step, many small ops that leave a core idle, 1.181 -> 1.050 of the user's
 step; the other six within -2% and +6% of the strict chain, the sign changing between runs
 (their ops use both cores through intra-op threads). But on a Keras attention step with Adam
-``optimize`` measured 1.04-1.17 of the plan in 3 of 6 runs with the window (the strict chain
+``optimize`` measured 1.04-1.19 of the plan in 4 of 11 runs with the window (the strict chain
 1.000; cause not found), so the window is used only where a run checks it: ``baechi.optimize``
 with ``verify``, which falls back to the strict chain when the measured peak exceeds the plan.
 """
