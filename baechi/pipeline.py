@@ -45,8 +45,8 @@ from graphfit.profiler.trace import print_progress, profile_graph
 from graphfit.remat.pipeline import GRAPH_PASSES, PLANNERS, BudgetError, prepare_step
 from graphfit.remat.plan import RematPlan
 
-__all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "WINDOW_TOLERANCE", "OptimizeResult", "PassRecord",
-           "StepFailedError", "optimize"]
+__all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "WINDOW_TOLERANCE", "OptimizeResult",
+           "PassRecord", "StepFailedError", "optimize"]
 
 PASSES = ("grad_accumulation", "early_updates", "remat", "place")
 # A measured peak above budget x (1 + PEAK_TOLERANCE) is a miss; the remat pass then plans

@@ -1,5 +1,6 @@
 """Benchmark the rewrite's two orders of the backward pass: a strict chain, and a window of
-two events side by side where the plan's peak allows (``remat.side_by_side``, the default).
+two events side by side where the plan's peak allows (``remat.side_by_side``; what
+``baechi.optimize`` tries when it verifies).
 
 Per model, one plan at 0.5 of the measured peak (``offline``, after the graph passes) is
 lowered both ways, and the two rewritten steps are timed side by side with the user's step
@@ -19,7 +20,6 @@ import functools
 import os
 
 import numpy as np
-import tensorflow as tf
 
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import atomic_write_json
@@ -30,7 +30,7 @@ from graphfit.remat.measure import measure_step
 from graphfit.remat.pipeline import prepare_step, rematerialize
 from graphfit.remat.step_time import trace_for_prediction
 from graphfit.remat.tf_memory import step_item, tf_memory_model
-from graphfit.tools.bench_grappler import RATIO, _models, _traced_peak
+from graphfit.tools.bench_grappler import RATIO, _models, _Sessions, _traced_peak
 from graphfit.tools.bench_reach import MODELS
 
 __all__ = ["main", "window_vs_strict"]
@@ -51,43 +51,28 @@ def window_vs_strict(item, user) -> dict:
     model = tf_memory_model(prepared, measure_step(prepared, steps=3, warmup=1).profile)
     traces = trace_for_prediction(item, prepared)
     budget = int(RATIO * baseline.peak_bytes)
-    sessions, steps, peaks, row = [], {}, {}, {"budget_bytes": budget}
-    try:
-        if user is not None:
-            function, args = user
-            steps["user"] = functools.partial(function, *args)
-        else:
-            session = tf.compat.v1.Session(graph=item.graph, config=user_config())
-            sessions.append(session)
-            session.run(item.init_op)
-            steps["user"] = functools.partial(session.run, [item.train_op, item.loss],
-                                              item.feed_dict())
+    steps, row = {}, {"budget_bytes": budget}
+    with _Sessions() as sessions:
+        steps["user"] = (functools.partial(user[0], *user[1]) if user is not None else
+                         sessions.step(item, user_config())[0])
         for order, side_by_side in ORDERS.items():
             rewritten, plan = rematerialize(prepared, model, budget_bytes=budget,
                                             heuristic="offline", side_by_side=side_by_side,
                                             step_traces=traces)
-            session = tf.compat.v1.Session(graph=rewritten.graph,
-                                           config=step_config(rewritten))
-            sessions.append(session)
-            session.run(rewritten.init_op)
-            peaks[order] = _traced_peak(session, rewritten)
-            steps[order] = (functools.partial(to_callable(rewritten, item), *user[1])
-                            if user is not None else
-                            functools.partial(session.run, [rewritten.train_op, rewritten.loss],
-                                              rewritten.feed_dict()))
+            steps[order], session = sessions.step(rewritten, step_config(rewritten))
+            if user is not None:       # Keras: time it called as the user calls theirs
+                steps[order] = functools.partial(to_callable(rewritten, item), *user[1])
             row[order] = {"planned_peak_bytes": plan.peak_bytes,
-                          "measured_peak_vs_plan": peaks[order] / plan.peak_bytes,
+                          "measured_peak_vs_plan": (_traced_peak(session, rewritten) /
+                                                    plan.peak_bytes),
                           "planned_overhead": plan.overhead,
                           "side_by_side_events": plan.stats["side_by_side_events"],
                           "planned_step_vs_user": plan.stats["step_time"]["vs_user"]}
         summary = ratio_summary(paired_step_times(steps, rounds=15, min_seconds=8.0), "user")
-    finally:
-        for session in sessions:
-            session.close()
     row["user_step_ms"] = summary["user"]["median_ms"]
     for order in ORDERS:
         row[order]["measured_vs_user"] = {k: round(v, 4) for k, v in summary[order].items()}
-    row["window_vs_strict"] = (summary["window"]["median"] / summary["strict"]["median"])
+    row["window_vs_strict"] = summary["window"]["median"] / summary["strict"]["median"]
     return row
 
 
@@ -115,7 +100,7 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     load_before = os.getloadavg()
-    models = [(name, item, user) for name, item, user in _models(quick=True)]
+    models = _models(quick=True)
     models.append(("keras_densenet", MODELS["keras_densenet"](), None))
     rows = []
     for name, item, user in models:
