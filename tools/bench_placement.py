@@ -16,7 +16,7 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
   single-op working set (inputs + output) / (sequential peak / 4): no placement can go below
   it.
 - ``variants``: the ``tight`` measurements on other members of the generated families, 4
-  seeds each (``VARIANTS``: narrow and wide layers, short and long random windows, fork-join
+  seeds each (``VARIANTS``: narrow and wide layers, random windows of 50, 200 and 2,000, fork-join
   with few short branches and with many, training-like with dense residuals), 1,000-2,000
   ops, both placers and both link models.
 - ``scale``: m-ETF and m-SCT on 100,000-op graphs, each in a fresh process, with wall and CPU
@@ -83,6 +83,7 @@ FAMILIES = {
 VARIANTS = {
     "layered_w64": lambda seed: layered(2_000, seed=seed, width=64),
     "layered_w1024": lambda seed: layered(2_000, seed=seed, width=1024),
+    "random_w50": lambda seed: random_dag(2_000, seed=seed, window=50),
     "random_w200": lambda seed: random_dag(2_000, seed=seed, window=200),
     "random_w2000": lambda seed: random_dag(2_000, seed=seed, window=2_000),
     "fork_join_b16_short": lambda seed: fork_join(1_000, seed=seed, branches=16,
