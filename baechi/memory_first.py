@@ -250,13 +250,12 @@ def _culprit(units: UnitGraph, builder: ScheduleBuilder, u: int, d: int, short: 
     """The unit to keep off device ``d``, where ``u`` misses ``short`` bytes: the last one
     that chose ``d`` (and may still avoid it) whose outputs, held there for readers still to
     come other than ``u``, are at least ``short`` bytes, else the last holding any."""
-    adj = units.adjacency_lists()
-    mine = set(adj["inputs"][u])
+    mine = set(units.inputs(u).tolist())
     fallback = None
     for v in reversed(builder.units_on[d]):
         if v not in chosen or d in avoid.get(v, ()):
             continue
-        held = sum(int(units.tensor_bytes[t]) for t in adj["outputs"][v]
+        held = sum(int(units.tensor_bytes[t]) for t in units.outputs(v).tolist()
                    if builder.remaining[t] > 0 and t not in mine)
         if held >= short:
             return v
