@@ -41,8 +41,10 @@ each op reads 1-3 of the 50 ops before it keep about 0.84 of the sequential peak
 leave each device at 1.1 x (sequential peak / 4) a slack of about one op's working set, and no
 order and reserve fitted seed 0 with idle links (``parallel``), and with contention only the
 one-worker order did. With restarts all of seeds 0-3 fit in both link models at 2-4 workers,
-after 0-25 restarts, at 0.72-0.86 x m-TOPO's makespan at its tightest limit. The restarts are bounded (``RESTARTS``, and ``RESTART_WORK`` units committed
-per unit), so an instance that cannot fit fails in bounded time.
+after 0-25 restarts, at 0.72-0.86 x m-TOPO's makespan at its tightest limit. The restarts
+are bounded (``RESTARTS``, and ``RESTART_WORK`` units committed per unit), so an instance
+that cannot fit fails in bounded time; still, proving that a limit is too low now takes longer
+(bisecting a 300-op random graph's tightest limit: about twice as long).
 
 Devices, in that order:
 
