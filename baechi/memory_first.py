@@ -135,41 +135,48 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
     error = None
     for name, make_order in orders:
         order = make_order()
+        plain = None  # the failure of reserve 0 without favourites, where restarts begin
         for fav, reserve in itertools.product(preferences, RESERVES):
             try:
                 schedule = _place_in_order(units, devices, memory_model, fav, method,
                                            order, name, reserve)
             except PlacementError as e:
                 error = e
+                if fav is None and reserve == 0.0 and isinstance(e, _Stuck):
+                    plain = e
                 continue
             schedule.info.update(memory_first_reserve=reserve,
                                  memory_first_favourites=fav is not None)
             return schedule
-        try:
-            return _place_with_restarts(units, devices, memory_model, method, order, name)
-        except PlacementError:
-            continue
+        if plain is not None:
+            try:
+                return _place_with_restarts(units, devices, memory_model, method, order, name,
+                                            plain)
+            except PlacementError:
+                continue
     raise error
 
 
 def _place_with_restarts(units: UnitGraph, devices: DeviceSet, memory_model: str, method: str,
-                         order: list[int], order_name: str) -> Schedule:
-    """``_place_in_order`` (reserve 0, no favourites) restarted after each failure with the
-    failure's culprit (``_Stuck``) kept off its device, until it fits or has spent
-    ``RESTARTS`` restarts or ``RESTART_WORK`` x the units in commits (module docstring)."""
+                         order: list[int], order_name: str, stuck: "_Stuck") -> Schedule:
+    """``_place_in_order`` (reserve 0, no favourites), whose attempt without restarts failed
+    with ``stuck``, restarted after each failure with the failure's culprit kept off its
+    device, until it fits or has spent ``RESTARTS`` restarts or ``RESTART_WORK`` x the units
+    in commits (module docstring)."""
     avoid: dict[int, set[int]] = {}
     work = 0
-    for restart in itertools.count():
+    for restart in itertools.count(1):
+        work += stuck.position
+        if stuck.culprit is None or restart > RESTARTS or \
+                work > RESTART_WORK * units.num_units:
+            raise stuck
+        unit, device = stuck.culprit
+        avoid.setdefault(unit, set()).add(device)
         try:
             schedule = _place_in_order(units, devices, memory_model, None, method, order,
                                        order_name, 0.0, avoid)
         except _Stuck as e:
-            work += e.position
-            if e.culprit is None or restart == RESTARTS or \
-                    work > RESTART_WORK * units.num_units:
-                raise
-            unit, device = e.culprit
-            avoid.setdefault(unit, set()).add(device)
+            stuck = e
             continue
         schedule.info.update(memory_first_reserve=0.0, memory_first_favourites=False,
                              memory_first_restarts=restart)
