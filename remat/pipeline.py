@@ -178,17 +178,17 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
             peak, or the checkpoint-all peak of the given model or cost graph.
         heuristic: a planner of ``PLANNERS`` (default DTR's h_DTR).
         overhead_limit: compute multiple beyond which DTR heuristics give up (thrash).
-        side_by_side: let the rewrite run two adjacent events of the backward pass at once
-            wherever that stays within the plan's peak (``remat.side_by_side``), so TF's
-            inter-op threads are not all lost to the chain (``tools.bench_side_by_side``:
-            a Keras DenseNet-style step 1.18 -> 1.05 of the user's; -2% to +6% elsewhere).
-            Off by default: its measured peak can exceed the plan (Keras attention, 1.04-1.19
-            in 4 of 11 runs), so ``baechi.optimize`` uses it only when it measures the step.
-            ``False`` chains the backward pass strictly in plan order.
+        side_by_side: let events of the backward pass float, running as soon as their
+            inputs exist, wherever a bound on the memory stays within the plan's peak
+            (``remat.side_by_side``), so TF's inter-op threads are not all lost to the chain.
+            Off by default: the bound rests on the plan's op sizes, which a run can miss
+            (the earlier two-event window measured 1.04-1.19 of the plan on a Keras
+            attention step in 4 of 11 runs), so ``baechi.optimize`` uses it only when it
+            measures the step. ``False`` chains the backward pass strictly in plan order.
         step_traces: traces of the step and of the user's
             (``remat.step_time.trace_for_prediction``):
             predict the rewritten step's wall time against the user's, into
-            ``plan.stats["step_time"]`` (events side by side counted one after the other:
+            ``plan.stats["step_time"]`` (floating events counted in the chain:
             ``remat.step_time``).
 
     Returns:
@@ -207,7 +207,7 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     """
     from graphfit.remat import baselines
     from graphfit.remat.rewrite import rewrite
-    from graphfit.remat.side_by_side import expanded_positions, side_by_side_events
+    from graphfit.remat.side_by_side import expanded_positions, floating_events
     from graphfit.remat.step_time import predict_step_time
     from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
 
@@ -229,16 +229,16 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
                               item.loss)
     planned.stats["replay_peak_bytes"] = planned.peak_bytes
     planned.peak_bytes = tf_peak_bytes(model, planned)
-    # Two events side by side only where the pair stays within the predicted peak (TF's
-    # accounting, below the replay's wherever TF reuses a buffer).
-    beside = (side_by_side_events(model.plan_graph, planned, planned.peak_bytes)
+    # Events float only where the bound stays within the predicted peak (TF's accounting,
+    # below the replay's wherever TF reuses a buffer).
+    floats = (floating_events(model.plan_graph, planned, planned.peak_bytes)
               if side_by_side else set())
     plan = expand_plan(model, planned)
     plan.stats["baseline_peak_bytes"] = int(baseline_bytes)
     plan.stats["recomputed_ops"] = plan.recomputed_ops(model.cost_graph)
-    plan.stats["side_by_side_events"] = len(beside)
+    plan.stats["side_by_side_events"] = len(floats)
     rewritten = rewrite(item, model.cost_graph, plan,
-                        beside=expanded_positions(model.members, planned, beside))
+                        floating=expanded_positions(model.members, planned, floats))
     if step_traces is not None:
         plan.stats["step_time"] = predict_step_time(
             model.cost_graph.names, plan, rewritten.config["remat"]["pinned_from"],

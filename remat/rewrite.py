@@ -49,16 +49,14 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   help: Grappler drops a control input that is also a data input. Such a node gets an edge
   from the latest earlier event that is not one of its data inputs: that event has finished
   anyway, so the edge changes no order, and it keeps the node out of the regrouping.
-- **Two at a time where memory allows** (``remat.pipeline.rematerialize(...,
+- **Floating events where memory allows** (``remat.pipeline.rematerialize(...,
   side_by_side=True)``; ``baechi.optimize`` when it verifies). A strict chain also takes TF's
-  inter-op parallelism from the backward pass (on a DenseNet-style Keras net about 0.2 of the
-  step's wall time).
-  ``remat.side_by_side`` marks the events whose running beside the event before
-  them keeps the plan's replayed peak (``beside``); such a node waits for the event two back
-  instead (plus three back where that one itself ran beside its predecessor), every other
-  pinned node for the event before it (plus two back where that one ran beside its own). At
-  any moment every event up to two back has finished and no later one has started, which
-  is what the side-by-side memory check assumes.
+  inter-op parallelism from the backward pass (on a Keras attention step 1.21-1.24x the
+  user's step with nothing recomputed). ``remat.side_by_side`` marks the events that may run
+  as soon as their inputs exist without the plan's peak noticing (``floating``): such a node
+  gets no pin, and every pinned node waits for the latest pinned event before it and for
+  each floating event since (a join), so every earlier event has finished when a pinned
+  event starts, which is what the floating bound assumes.
 - **oneDNN's run-time fusions.** With oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``), TF's
   ``MklLayoutRewritePass`` runs after Grappler, on the graph the session executes, and merges
   node pairs into one node (``remat.tf_memory.FUSABLE_PAIRS``: ``Conv2D`` + ``BiasAdd``, ``Pad``
@@ -94,8 +92,8 @@ is not enough: the remapper fuses ``MatMul`` + ``BiasAdd`` + ``Relu`` clones int
 dependency optimizer would strip the edges that keep oneDNN's merge away (above).
 
 Pre- and postconditions are checked: the cost graph describes this graph, the rewritten step is
-acyclic, every pinned node (every clone at least) keeps its edge from the node of the plan event
-before it, and every input names a node of the graph.
+acyclic, every pinned node (every clone that does not float at least) keeps its edges from the
+nodes it must run after, and every input names a node of the graph.
 """
 
 from __future__ import annotations
@@ -330,19 +328,16 @@ def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> 
 PIN_ORDERS = ("tail", "clones")
 
 
-def _window_anchors(events_run: list[tuple[str, bool]], runs_beside: bool) -> list[str]:
-    """The nodes a pinned event waits for, so that every event up to the one before it
-    (``runs_beside``: up to the one two back) has finished when it starts. ``events_run``:
-    per earlier (re)compute event, its node and whether it may run beside its predecessor
-    (then it alone does not imply its predecessor finished, which is waited for too)."""
-    back = 2 if runs_beside else 1
-    if len(events_run) < back:
-        back = len(events_run)
-    if back == 0:
-        return []
-    anchor, anchor_beside = events_run[-back]
-    earlier = [events_run[-back - 1][0]] if anchor_beside and len(events_run) > back else []
-    return [anchor] + earlier
+def _join_anchors(events_run: list[tuple[str, bool]]) -> list[str]:
+    """The nodes a pinned event waits for: the latest event that did not float, and every
+    floating event after it (``events_run``: per earlier (re)compute event, its node and
+    whether it floated), so that every earlier event has finished when it starts."""
+    anchors = []
+    for name, floats in reversed(events_run):
+        anchors.append(name)
+        if not floats:
+            break
+    return anchors[::-1]
 
 
 def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[tuple[str, bool]],
@@ -365,7 +360,7 @@ def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[tuple[str, bo
 
 
 def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
-            pin_order: str = "tail", beside: "set[int] | frozenset[int]" = frozenset()
+            pin_order: str = "tail", floating: "set[int] | frozenset[int]" = frozenset()
             ) -> GraphItem:
     """A new training step that executes ``plan`` (the original ``item`` is left untouched).
 
@@ -377,11 +372,9 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         pin_order: ``"tail"``: every node from the backward pass's first read of the forward
             pass (or the first recomputation, if earlier) on gets a control edge from the
             previous plan event's node; ``"clones"``: only clones do.
-        beside: positions in ``plan.events`` of events that may run beside the event before
-            them (``remat.side_by_side``): such a node is pinned to the event two back (and
-            three back where that one ran beside its own predecessor), so at most two
-            adjacent events run at once; every other pinned node waits for the event before
-            it (and the one two back where that ran beside its predecessor).
+        floating: positions in ``plan.events`` of events that may run as soon as their inputs
+            exist (``remat.side_by_side.floating_events``): such a node gets no pin, and every
+            pinned node waits for the latest pinned event and each floating event since.
 
     Returns:
         A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
@@ -414,7 +407,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     pinned_from = len(plan.events)       # position of the first pinned event
     control_edges = 0
     anchors: dict[str, list[str]] = {}  # pinned node -> the nodes it must run after
-    events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, ran beside
+    events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, floated
 
     def newest(producer: str, suffix: str) -> str:
         # What a read of ``producer`` + ``suffix`` reads now (see "Rewiring" above).
@@ -466,10 +459,10 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
-        runs_beside = position in beside
-        if event.kind == RECOMPUTE or (pin_order == "tail" and pinning and previous is not None
-                                       and node.input):
-            waits_for = anchors[node.name] = _window_anchors(events_run, runs_beside)
+        floats = pinning and position in floating and node.op not in REGROUPED_OP_TYPES
+        if not floats and (event.kind == RECOMPUTE or (
+                pin_order == "tail" and pinning and previous is not None and node.input)):
+            waits_for = anchors[node.name] = _join_anchors(events_run)
             for anchor in waits_for:
                 if not any(_split_input(name)[0] == anchor for name in node.input):
                     node.input.append("^" + anchor)
@@ -479,7 +472,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
                 node.input.append("^" + guard)
                 control_edges += 1
         previous = version[op_name]
-        events_run.append((previous, runs_beside))
+        # A source in the pinned region waits for nothing either: a join passes over it.
+        events_run.append((previous, floats or (pinning and not node.input)))
 
     graph_def.node.extend(clones)
     _check_pinned(graph_def, anchors)

@@ -1,64 +1,69 @@
-"""Which plan events may run beside the event before them without raising the plan's peak.
+"""Which plan events may float: run as soon as their inputs exist, beside the pinned chain,
+without raising the plan's peak.
 
 The rewrite (``remat.rewrite``) pins the backward pass to the plan's order with control edges,
 because the plan's memory prediction assumes one op at a time. A strict chain also takes
-away TF's inter-op parallelism (two threads on this 2-core machine): on a DenseNet-style Keras
-net, chaining alone cost about 0.2 of the step's wall time. Most events are far below the
-plan's peak, though, and running two of them side by side there costs no memory the peak
-would notice. This module finds those events; the rewrite then pins them one event further
-back (a window of two events), and keeps the strict chain only where the peak needs it.
+away TF's inter-op parallelism: on a Keras attention step at 0.5 of its peak the chain alone
+(a checkpoint-all plan, nothing recomputed) cost 1.21-1.24x the user's step. Most events are
+far below the plan's peak, though, and an event whose output is small can run early without
+the peak noticing. This module finds those events; the rewrite gives them no pin (only their
+data edges order them) and makes the next pinned event wait for them (a join), so a floating
+event is never late either.
 
-The window. Let ``e_1, e_2, ...`` be the (re)compute events of the plan. An event pinned
-"beside" may start once every event up to ``e_{k-2}`` has finished, so at most the two
-events ``e_{k-1}`` and ``e_k`` run at once, and no later event has started (a later event
-waits at least for ``e_{k-1}``). Memory while both run, in the shared replay's accounting
-(``remat.validate.replay_plan``):
+The bound. Let ``e_1, e_2, ...`` be the (re)compute events of the plan, and ``m`` the first
+event not finished at some moment. Every event before ``m`` has finished; no pinned event
+after ``m`` has started (it waits for every event before it, through its pin and the joins);
+so besides ``m`` only floating events after ``m`` may have run. A floating event ``x`` can run
+only once its inputs exist: once every event up to ``s(x)`` has finished, where ``s(x)`` is
+the latest of its inputs' events (for an input made by a floating event, that event's own
+``s``). The memory at that moment is at most, in the shared replay's accounting
+(``remat.validate.replay_plan``)::
 
-    persistent + live(after e_{k-2} and the frees that follow it)
-               + outputs(e_{k-1}) + temporary(e_{k-1}) + outputs(e_k) + temporary(e_k)
+    alone(m) + sum of outputs(x) + temporary(x) over floating x with s(x) < m < x
 
-(tensors whose last reader is ``e_{k-1}`` or ``e_k`` are still live: TF frees a tensor when
-its last reader has finished). An event is pinned beside its predecessor only if this is at
-most the plan's own replayed peak, so the window never predicts a higher peak than the plan.
-An event that reads an output of the event before it cannot overlap it anyway and keeps the
-strict pin (its data edge is the pin).
+where ``alone(m)`` is persistent bytes, the bytes live once every event before ``m`` ran and
+the frees after them, and ``m``'s outputs and temporaries (a floating event that has run
+early frees its inputs early too, which the bound ignores). Walking the plan in order, an
+event floats if this stays within the limit (the plan's own predicted peak) for every ``m``
+it may run ahead of. So a floating plan predicts no higher peak than the strict chain. The
+rewrite may still pin an event chosen here (a ``Mul`` or ``Add``, which Grappler regroups
+unless it has a control edge): pinning only delays an event, which the bound allows.
 
-Measured (``tools.bench_side_by_side``: one plan at 0.5, oneDNN off, lowered both ways and
-timed side by side with the user's step): measured peak / plan 1.000 both ways on the mlp,
-resnet, Keras conv, depthwise, attention and DenseNet-style steps, 0.997 on the zoo
-transformer (after ``remat.grappler_pins`` made the pins hold through Grappler). Step time:
-the DenseNet-style step, many small ops that leave a core idle, 1.181 -> 1.050 of the user's
-step; the other six within -2% and +6% of the strict chain, the sign changing between runs
-(their ops use both cores through intra-op threads). But on a Keras attention step with Adam
-``optimize`` measured 1.04-1.19 of the plan in 4 of 11 runs with the window (the strict chain
-1.000; cause not found), so the window is used only where a run checks it: ``baechi.optimize``
-with ``verify``, which falls back to the strict chain when the measured peak exceeds the plan.
+A stateful op never floats. A variable's update that runs before a planned read of the old
+value (a recomputed reader of the weight's read, which no edge orders before the update) makes
+TF copy the variable, bytes no plan counts: on a Keras attention step with Adam, letting
+updates float measured 1.112 of the budget (one run); with them pinned 0.996 and 0.998 (two
+runs, new plans), the strict chain 0.996-1.022.
+
+Measured (one plan at 0.5 of the measured peak, ``offline``, oneDNN off, idle VM, timed side
+by side with the user's step, ``tools.bench_side_by_side``): see that benchmark's JSON and
+the README. On the Keras attention step (4 heads, seq 128, batch 16) 661 of 884 events
+floated; the step took 1.26x the user's, against 1.52x with the strict chain and 1.41x with
+the earlier two-event window, at the same measured peak (0.928 of the budget).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.remat.plan import FREE, RematPlan
 
-__all__ = ["side_by_side_events", "window_peak_bytes", "expanded_positions"]
+__all__ = ["floating_events", "expanded_positions"]
 
 
-def _window_memory(graph: CostGraph, plan: RematPlan) -> list[tuple[int, int, int]]:
+def _alone_bytes(graph: CostGraph, plan: RematPlan) -> list[tuple[int, int]]:
     """Per (re)compute event, in plan order: ``(position in plan.events, bytes while it runs
-    alone after its predecessor, bytes while it runs beside its predecessor)``; the second
-    and third include persistent bytes (the first event's third equals its second)."""
+    after every event before it finished)``, persistent bytes included."""
     persistent = int(graph.persistent_bytes.sum())
     resident = set()
     live = 0
     rows = []
-    live_after: list[int] = []       # live bytes after each (re)compute event and its frees
-    running: list[int] = []          # outputs + temporary of each (re)compute event
     for position, (kind, index) in enumerate(plan.events):
         if kind == FREE:
             if index in resident:
                 resident.discard(index)
                 live -= int(graph.tensor_bytes[index])
-                live_after[-1] = live
             continue
         made = 0
         for t in graph.op_outputs(index):
@@ -67,50 +72,50 @@ def _window_memory(graph: CostGraph, plan: RematPlan) -> list[tuple[int, int, in
             else:
                 resident.add(t)
                 live += int(graph.tensor_bytes[t])
-        own = int(graph.output_bytes(index).sum()) + int(graph.temp_bytes[index])
-        alone = persistent + live + made + int(graph.temp_bytes[index])
-        beside = (persistent + (live_after[-2] if len(live_after) > 1 else 0) + running[-1] + own
-                  if running else alone)
-        rows.append((position, alone, max(alone, beside)))
-        running.append(own)
-        live_after.append(live)
+        rows.append((position, persistent + live + made + int(graph.temp_bytes[index])))
     return rows
 
 
-def side_by_side_events(graph: CostGraph, plan: RematPlan,
-                        limit_bytes: int | None = None) -> set[int]:
-    """Positions (in ``plan.events``) of the (re)compute events that may run beside the
-    (re)compute event before them (module docstring).
+def floating_events(graph: CostGraph, plan: RematPlan, limit_bytes: int | None = None
+                    ) -> set[int]:
+    """Positions (in ``plan.events``) of the (re)compute events that may float (module
+    docstring): not stateful, and within the bound.
 
     Parameters:
         graph: the cost graph ``plan`` was made on (the planning graph of
             ``remat.tf_memory.MemoryModel``, whose chains are single events).
         plan: the plan.
-        limit_bytes: the memory the pair may use; default the plan's replayed peak.
+        limit_bytes: the memory the bound may reach; default the plan's replayed peak.
 
     Returns:
-        Event positions. An event reading its predecessor's output is never one: the data
-        edge orders the pair, and marking it would let the event after it start early.
+        Event positions, chosen greedily in plan order.
     """
-    rows = _window_memory(graph, plan)
+    rows = _alone_bytes(graph, plan)
+    alone = np.array([bytes_ for _, bytes_ in rows], dtype=np.int64)
     if limit_bytes is None:
-        limit_bytes = max((alone for _, alone, _ in rows), default=0)
+        limit_bytes = int(alone.max(initial=0))
+    ahead = np.zeros(len(rows), dtype=np.int64)   # bytes of floating events run ahead of m
+    start_after = np.full(len(rows), -1, dtype=np.int64)
+    floats = np.zeros(len(rows), dtype=bool)
+    newest: dict[int, int] = {}          # op -> ordinal of its newest (re)computation
+    first: dict[int, int] = {}           # op -> ordinal of its computation
     chosen = set()
-    for k, (position, _, beside) in enumerate(rows):
-        if k == 0:
-            continue
-        previous = plan.events[rows[k - 1][0]].index
-        reads_previous = previous in graph.predecessors(plan.events[position].index)
-        if not reads_previous and beside <= limit_bytes:
+    for k, (position, _) in enumerate(rows):
+        op = plan.events[position].index
+        # Data inputs read the newest version; a control input names the original node.
+        deps = [newest[p] for p in set(graph.tensor_producer[graph.op_inputs(op)].tolist())]
+        deps += [first[p] for p in graph.control_inputs(op).tolist()]
+        start_after[k] = max((start_after[d] if floats[d] else d for d in deps), default=-1)
+        over = slice(start_after[k] + 1, k)
+        own = int(graph.output_bytes(op).sum()) + int(graph.temp_bytes[op])
+        if (k > 0 and not graph.is_stateful[op]
+                and (alone[over] + ahead[over] + own <= limit_bytes).all()):
+            floats[k] = True
+            ahead[over] += own
             chosen.add(position)
+        newest[op] = k
+        first.setdefault(op, k)
     return chosen
-
-
-def window_peak_bytes(graph: CostGraph, plan: RematPlan, beside: set[int]) -> int:
-    """The replayed peak of ``plan`` when the events at positions ``beside`` may run beside
-    the event before them: what ``side_by_side_events`` keeps at or below the plan's peak."""
-    return max((b if position in beside else alone
-                for position, alone, b in _window_memory(graph, plan)), default=0)
 
 
 def expanded_positions(members: list[list[int]], plan: RematPlan, positions: set[int]
@@ -118,10 +123,11 @@ def expanded_positions(members: list[list[int]], plan: RematPlan, positions: set
     """``positions`` of ``plan``'s events (over a planning graph whose node ``i`` stands for
     the ops ``members[i]``) as positions in the expanded plan (``remat.tf_memory.
     expand_plan``: a chain's (re)computation becomes its ops' in order, a free stays one
-    event): the position of each chosen event's first op, the one that waits."""
+    event): the positions of all of each chosen event's ops (a chain floats whole)."""
     expanded, offset = set(), 0
     for position, (kind, index) in enumerate(plan.events):
+        size = 1 if kind == FREE else len(members[index])
         if position in positions:
-            expanded.add(offset)
-        offset += 1 if kind == FREE else len(members[index])
+            expanded.update(range(offset, offset + size))
+        offset += size
     return expanded

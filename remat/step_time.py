@@ -19,13 +19,14 @@ those ops run one at a time. The rewritten step then costs::
 - ``gap``: the serial step's wall time over the sum of its op times (the executor's time
   between ops, and tracing's: every time is of untraced steps, ``profiler.op_intervals``).
 
-Where the rewrite lets two adjacent events run side by side (``remat.side_by_side``; in
-``baechi.optimize`` when it verifies), the prediction still counts them one after the other. On
-two cores most ops already use both through their intra-op threads: measured against the strict
-chain (same plan, paired rounds, ``tools.bench_side_by_side``) the window changed six steps by
--2% to +6% and saved 11% only on a DenseNet-style step of many small ops. Crediting the overlap
-with the op times of the step as it runs (the ops that overlapped there) was tried and predicted
-14-18% too little or too much on three of six models.
+Where the rewrite lets events float beside the chain (``remat.side_by_side``; in
+``baechi.optimize`` when it verifies), the prediction still counts them in the chain, one after
+the other, so it over-predicts a step where floating gains much (``tools.bench_side_by_side``,
+2026-12-04: Keras attention predicted 1.58 of the user's step, measured 1.30; the six other
+steps measured 0.95-1.06 of their prediction).
+Crediting the earlier two-event window's overlap with the op times of the step as it runs
+(the ops that overlapped there) was tried and predicted 14-18% too little or too much on three
+of six models.
 
 Walls come from untraced steps of the three (the step as it runs, one op at a time, the user's)
 timed side by side, round by round: on a shared 2-core machine a 30 ms Keras step's wall moved

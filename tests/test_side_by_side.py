@@ -1,13 +1,15 @@
-"""Running the step as fast as the user's: two plan events side by side only where the plan's
-peak allows it, the rewrite's window of pins, the backward pass's start, the configuration an
-untouched step runs with, and side-by-side timing."""
+"""Running the step as fast as the user's: plan events that float beside the chain only where
+the plan's peak allows it, the rewrite's joins, the configuration an untouched step runs with,
+and side-by-side timing."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import random
 import time
 
+import numpy as np
 import pytest
 
 from graphfit import models
@@ -15,18 +17,17 @@ from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.session import session_config, step_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE
-from graphfit.remat.rewrite import _window_anchors
+from graphfit.remat.rewrite import _join_anchors
 from graphfit.remat.schedule import plan_from_schedule
-from graphfit.remat.side_by_side import (expanded_positions, side_by_side_events,
-                                         window_peak_bytes)
+from graphfit.remat.side_by_side import expanded_positions, floating_events
 from graphfit.remat.validate import replay_plan
 
 
-def _graph(big_c: int) -> CostGraph:
+def _graph(big_c: int, stateful_b: bool = False) -> CostGraph:
     """a and b independent (10 bytes each); c (``big_c`` bytes) reads a; d reads b and c."""
     return CostGraph.from_ops([
         OpSpec("a", "X", output_bytes=[10]),
-        OpSpec("b", "X", output_bytes=[10]),
+        OpSpec("b", "X", output_bytes=[10], is_stateful=stateful_b),
         OpSpec("c", "X", inputs=[("a", 0)], output_bytes=[big_c]),
         OpSpec("d", "X", inputs=[("b", 0), ("c", 0)], output_bytes=[1])])
 
@@ -36,21 +37,102 @@ def _positions(plan, names, graph):
             if e.kind != FREE and graph.names[e.index] in names}
 
 
-def test_side_by_side_only_below_the_plans_peak_and_never_after_a_data_edge():
+def test_events_float_only_while_the_bound_stays_within_the_limit():
     graph = _graph(big_c=100)
     plan = plan_from_schedule(graph, [0, 1, 2, 3], None, "hand")
-    peak = replay_plan(graph, plan).peak_bytes
-    beside = side_by_side_events(graph, plan)
-    # b beside a: 20 bytes, far below the peak (c's 100 with a and b alive); c beside b: a, b
-    # and c (120) is the peak itself, so allowed; d reads c, its predecessor: never.
-    assert beside == _positions(plan, {"b", "c"}, graph)
-    assert window_peak_bytes(graph, plan, beside) <= peak
-    # A tighter limit keeps c strict (beside b: a, b and c, 120 bytes).
-    tight = side_by_side_events(graph, plan, limit_bytes=110)
-    assert tight == _positions(plan, {"b"}, graph)
+    assert replay_plan(graph, plan).peak_bytes == 120        # c runs with a and b alive
+    # b may run before a (20 bytes); c beside b once a exists (a, b, c: 120, the peak itself);
+    # d may start once c exists, while c's 100 bytes are ahead of b: 121, over the peak.
+    assert floating_events(graph, plan) == _positions(plan, {"b", "c"}, graph)
+    # Under 110, c stays pinned; d then waits only for c, the event before it: nothing ahead.
+    assert floating_events(graph, plan, limit_bytes=110) == _positions(plan, {"b", "d"}, graph)
+    # A stateful op (a variable's update) keeps its place: run early, it would write a
+    # variable that a tensor still to be read holds, and TF would copy the variable.
+    stateful = _graph(big_c=100, stateful_b=True)
+    assert floating_events(stateful, plan) == _positions(plan, {"c"}, graph)
 
 
-def test_expanded_positions_point_at_each_chains_first_op():
+def _random_plan(rng: np.random.Generator, num_ops: int = 40):
+    """A random graph (0-3 inputs from the 8 ops before, now and then a control input, random
+    output and temporary bytes) and a plan of its topological order with 6 recomputations
+    (of ops with inputs: only those may run again)."""
+    specs = []
+    for i in range(num_ops):
+        sources = sorted(set(rng.integers(max(0, i - 8), i, size=int(rng.integers(0, 4)))
+                             .tolist())) if i else []
+        control = ([f"op{int(rng.integers(0, i))}"] if i and rng.random() < 0.15 else [])
+        specs.append(OpSpec(f"op{i}", "X", inputs=[(f"op{j}", 0) for j in sources],
+                            control_inputs=[c for c in control if int(c[2:]) not in sources],
+                            output_bytes=[int(rng.integers(1, 100))],
+                            temp_bytes=int(rng.integers(0, 30))))
+    graph = CostGraph.from_ops(specs)
+    schedule = list(range(num_ops))
+    with_inputs = [i for i in range(num_ops) if len(graph.op_inputs(i))]
+    for _ in range(6):
+        op = int(rng.choice(with_inputs))
+        schedule.insert(int(rng.integers(schedule.index(op) + 1, len(schedule) + 1)), op)
+    return graph, plan_from_schedule(graph, schedule, None, "hand")
+
+
+def _executed_peak(graph: CostGraph, plan, floating: set[int], rng: random.Random,
+                   workers: int) -> int:
+    """The peak of one random execution of ``plan`` as the rewrite orders it: a pinned event
+    starts once every earlier event finished, a floating one once its inputs' events did;
+    ``workers`` events run at once at most, in random order and for random durations. A
+    version of a tensor is freed when it and every event reading it have finished."""
+    events = [(p, e.index) for p, e in enumerate(plan.events) if e.kind != FREE]
+    newest, first, deps, reads = {}, {}, [], []
+    for k, (_, op) in enumerate(events):
+        data = {newest[p] for p in graph.tensor_producer[graph.op_inputs(op)].tolist()}
+        reads.append(data)
+        deps.append(data | {first[p] for p in graph.control_inputs(op).tolist()})
+        newest[op] = k
+        first.setdefault(op, k)
+    readers = collections.defaultdict(set)
+    for k, data in enumerate(reads):
+        for version in data:
+            readers[version].add(k)
+    floats = {k for k, (p, _) in enumerate(events) if p in floating}
+    finished, running, live, now, peak = set(), {}, {}, 0.0, 0
+    while len(finished) < len(events):
+        ready = [k for k in range(len(events)) if k not in finished and k not in running
+                 and (deps[k] if k in floats else set(range(k))) <= finished]
+        rng.shuffle(ready)
+        for k in ready[:workers - len(running)]:
+            running[k] = now + rng.uniform(0.1, 1.0)
+            op = events[k][1]
+            live[("out", k)] = int(graph.output_bytes(op).sum())
+            live[("temp", k)] = int(graph.temp_bytes[op])
+            peak = max(peak, sum(live.values()))
+        k = min(running, key=running.get)
+        now = running.pop(k)
+        finished.add(k)
+        del live[("temp", k)]
+        for version in reads[k] | {k}:
+            if version in finished and readers[version] <= finished:
+                live.pop(("out", version), None)
+    return peak
+
+
+def test_no_execution_the_joins_allow_exceeds_the_floating_bound():
+    """Random graphs and plans, random executions: floating events never take the step above
+    the plan's replayed peak; letting every event float does."""
+    rng, order = np.random.default_rng(7), random.Random(7)
+    exceeded_when_all_float = 0
+    for _ in range(30):
+        graph, plan = _random_plan(rng)
+        limit = replay_plan(graph, plan).peak_bytes
+        assert _executed_peak(graph, plan, set(), order, workers=1) == limit
+        floating = floating_events(graph, plan)
+        assert floating
+        for workers in (2, 4, 64):
+            assert _executed_peak(graph, plan, floating, order, workers) <= limit
+        everything = {p for p, e in enumerate(plan.events) if e.kind != FREE}
+        exceeded_when_all_float += _executed_peak(graph, plan, everything, order, 64) > limit
+    assert exceeded_when_all_float > 0
+
+
+def test_expanded_positions_cover_every_op_of_a_chain():
     graph = _graph(big_c=100)
     plan = plan_from_schedule(graph, [0, 1, 2, 3], None, "hand")
     members = [[0], [1, 2], [3, 4], [5]]      # b and c stand for two ops each
@@ -60,31 +142,27 @@ def test_expanded_positions_point_at_each_chains_first_op():
     for kind, index in plan.events:
         offsets.append(offset)
         offset += 1 if kind == FREE else len(members[index])
-    assert expanded == {offsets[p] for p in chosen}
+    assert expanded == {offsets[p] + i for p in chosen for i in range(2)}
 
 
-def test_window_anchors_keep_every_event_two_back_finished():
-    """Whatever events run beside their predecessor, an event starts only after every event
-    up to the one before it (beside: two before) has finished, through the anchors' edges."""
+def test_join_anchors_keep_every_earlier_event_finished():
+    """Whatever events float, a pinned event starts only after every event before it has
+    finished, through its anchors' edges (a floating event itself waits for nothing here)."""
     rng = random.Random(3)
     for _ in range(50):
         flags = [rng.random() < 0.6 for _ in range(30)]
-        run, waits = [], []
-        for k, beside in enumerate(flags):
-            waits.append([int(a) for a in _window_anchors(run, beside)])
-            run.append((str(k), beside))
-        finished_before = []                   # transitive predecessors of each event
-        for k in range(len(flags)):
+        run, finished_before = [], []
+        for k, floats in enumerate(flags):
             done = set()
-            for anchor in waits[k]:
-                done |= {anchor} | finished_before[anchor]
+            if not floats:
+                for anchor in map(int, _join_anchors(run)):
+                    done |= {anchor} | finished_before[anchor]
+                assert set(range(k)) <= done, (k, flags[:k + 1])
             finished_before.append(done)
-            back = 2 if flags[k] else 1
-            assert set(range(k - back + 1)) <= done, (k, flags[:k + 1])
-            assert len(waits[k]) <= 2
+            run.append((str(k), floats))
 
 
-def test_rewrite_pins_side_by_side_events_two_back():
+def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
     from graphfit.profiler.tf_import import cost_graph_from_graph
     from graphfit.profiler.step_compare import compare_steps
     from graphfit.remat.rewrite import rewrite
@@ -93,20 +171,18 @@ def test_rewrite_pins_side_by_side_events_two_back():
     graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
     relu = graph.index["layer_0/Relu"]
     plan = plan_from_schedule(graph, list(range(graph.num_ops)) + [relu], None, "hand")
-    weight_grad = graph.index["gradients/logits/MatMul_grad/MatMul_1"]
-    position = next(p for p, e in enumerate(plan.events)
-                    if e == (COMPUTE, weight_grad))
-    previous = next(graph.names[e.index] for e in reversed(plan.events[:position])
-                    if e.kind != FREE)
-    strict = rewrite(item, graph, plan)
-    window = rewrite(item, graph, plan, beside={position})
     op = "gradients/logits/MatMul_grad/MatMul_1"
-    waits = {c.name for c in window.graph.get_operation_by_name(op).control_inputs}
-    reads = {t.op.name for t in window.graph.get_operation_by_name(op).inputs}
-    assert previous in ({c.name for c in strict.graph.get_operation_by_name(op).control_inputs}
-                        | reads)
-    assert previous not in waits | reads
-    compare_steps(item, window).check()
+    position = next(p for p, e in enumerate(plan.events)
+                    if e == (COMPUTE, graph.index[op]))
+    following = next(graph.names[e.index] for e in plan.events[position + 1:]
+                     if e.kind != FREE)
+    strict = rewrite(item, graph, plan)
+    floating = rewrite(item, graph, plan, floating={position})
+    assert strict.graph.get_operation_by_name(op).control_inputs
+    assert not floating.graph.get_operation_by_name(op).control_inputs
+    after = floating.graph.get_operation_by_name(following)
+    assert op in ({c.name for c in after.control_inputs} | {t.op.name for t in after.inputs})
+    compare_steps(item, floating).check()
 
 
 def test_an_untouched_step_runs_as_the_user_runs_it():
