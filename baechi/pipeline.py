@@ -53,6 +53,9 @@ PASSES = ("grad_accumulation", "early_updates", "remat", "place")
 # again, at most MAX_PLAN_ROUNDS times in all.
 PEAK_TOLERANCE = 0.05
 MAX_PLAN_ROUNDS = 3
+# Memory models (traced orders of the step) each round plans on, keeping the cheapest plan
+# (``remat.pipeline._cheapest_plan``: plans of one step differ by up to 0.17x between orders).
+PLAN_ORDERS = 3
 # Floating events stay only where the measured peak is within this of the plan's (the earlier
 # two-event window measured 1.04-1.19 of its plan on Keras attention with Adam in 4 of 11 runs).
 WINDOW_TOLERANCE = 0.01
@@ -145,7 +148,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         try:
             rewritten, plan = rematerialize(item, profile, budget_bytes=planning_budget,
                                             heuristic=heuristic, overhead_limit=overhead_limit,
-                                            side_by_side=side_by_side, step_traces=traces)
+                                            side_by_side=side_by_side, step_traces=traces,
+                                            orders=PLAN_ORDERS)
         except BudgetError as error:
             if not rounds:
                 raise
@@ -163,6 +167,7 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                    "planning_budget_bytes": plan.budget_bytes,
                    "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
                    "num_recomputes": plan.num_recomputes,
+                   "overhead_by_order": plan.stats["orders"],
                    "side_by_side_events": plan.stats["side_by_side_events"],
                    "late_variable_readers": order["late_readers"] if order_updates else 0}
         if not verify:

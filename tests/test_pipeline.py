@@ -127,3 +127,19 @@ def test_a_step_that_cannot_run_is_never_returned():
                        {"x:0": np.zeros(4, np.float32)})
     with pytest.raises(StepFailedError, match="rematerialized step does not run"):
         _run_once(broken, "rematerialized", make_session)
+
+
+def test_the_plan_is_the_cheapest_of_several_traced_orders(narrow_item):
+    from graphfit.errors import ArgumentError
+    from graphfit.remat.measure import measure_step
+    from graphfit.remat.pipeline import rematerialize
+    from graphfit.remat.tf_memory import step_item, tf_memory_model
+
+    step = step_item(narrow_item)
+    profile = measure_step(step, steps=2, warmup=1).profile
+    _, plan = rematerialize(step, profile, budget_ratio=0.7, heuristic="offline", orders=3)
+    overheads = plan.stats["orders"]
+    assert len(overheads) == 3 and any(o is not None for o in overheads)
+    assert plan.overhead == pytest.approx(min(o for o in overheads if o is not None), abs=1e-4)
+    with pytest.raises(ArgumentError, match="orders > 1 needs a Profile"):
+        rematerialize(step, tf_memory_model(step, profile), budget_ratio=0.7, orders=2)
