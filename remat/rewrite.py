@@ -124,6 +124,10 @@ __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
 
 # Ops Grappler's arithmetic optimizer regroups (re-associates) unless they have a control edge.
 REGROUPED_OP_TYPES = frozenset({"Mul", "Add", "AddV2"})
+# Ops that stay pinned where events float: the regrouped ones, and those oneDNN's pass may
+# merge (a floating pair of them made a Keras ResNet-style step fail with `Retval[0] does not
+# have value` in one CI run with oneDNN on; pinned, as in the strict chain, they never did).
+NEVER_FLOATING_OP_TYPES = REGROUPED_OP_TYPES | {t for pair in FUSABLE_PAIRS for t in pair[:2]}
 
 
 class RematRewriteError(GraphfitError, ValueError):
@@ -459,7 +463,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
-        floats = pinning and position in floating and node.op not in REGROUPED_OP_TYPES
+        floats = pinning and position in floating and node.op not in NEVER_FLOATING_OP_TYPES
         if not floats and (event.kind == RECOMPUTE or (
                 pin_order == "tail" and pinning and previous is not None and node.input)):
             waits_for = anchors[node.name] = _join_anchors(events_run)

@@ -27,7 +27,8 @@ early frees its inputs early too, which the bound ignores). Walking the plan in 
 event floats if this stays within the limit (the plan's own predicted peak) for every ``m``
 it may run ahead of. So a floating plan predicts no higher peak than the strict chain. The
 rewrite may still pin an event chosen here (a ``Mul`` or ``Add``, which Grappler regroups
-unless it has a control edge): pinning only delays an event, which the bound allows.
+unless it has a control edge, or an op oneDNN may merge with another: ``remat.rewrite.
+NEVER_FLOATING_OP_TYPES``): pinning only delays an event, which the bound allows.
 
 A stateful op never floats. A variable's update that runs before a planned read of the old
 value (a recomputed reader of the weight's read, which no edge orders before the update) makes
