@@ -38,9 +38,10 @@ runs, new plans), the strict chain 0.996-1.022.
 
 Measured (one plan at 0.5 of the measured peak, ``offline``, oneDNN off, idle VM, timed side
 by side with the user's step, ``tools.bench_side_by_side``): see that benchmark's JSON and
-the README. On the Keras attention step (4 heads, seq 128, batch 16) 661 of 884 events
-floated; the step took 1.26x the user's, against 1.52x with the strict chain and 1.41x with
-the earlier two-event window, at the same measured peak (0.928 of the budget).
+the README. On the Keras attention step (4 heads, seq 128, batch 16, SGD) 526 events
+floated; the step took 1.300x the user's against 1.402x with the strict chain, at its plan's
+peak (2026-12-04 21:39, before ops oneDNN may merge were kept pinned; one diagnostic run
+after that: 1.274x against 1.457x, the same peak both ways).
 """
 
 from __future__ import annotations
