@@ -191,7 +191,8 @@ def _cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: st
     return best
 
 
-def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph | MemoryModel",
+def rematerialize(item: GraphItem,
+                  profile_or_cost_graph: "Profile | CostGraph | MemoryModel | list[MemoryModel]",
                   budget_bytes: int | None = None, budget_ratio: float | None = None,
                   heuristic: str = "dtr", overhead_limit: float = 2.0,
                   side_by_side: bool = False, step_traces: "StepTraces | None" = None,
@@ -202,8 +203,9 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
         item: the training step.
         profile_or_cost_graph: a ``Profile`` of the step ``remat.tf_memory.step_item(item)``
             (a ``remat.tf_memory.MemoryModel`` is made from it with one more traced step), a
-            ready ``MemoryModel`` of ``item``, or a plain ``CostGraph`` of ``item`` (planned
-            op by op, without TF's calibration).
+            ready ``MemoryModel`` of ``item`` or a list of them (each of its own traced order:
+            the plan is the cheapest of their plans), or a plain ``CostGraph`` of ``item``
+            (planned op by op, without TF's calibration).
         budget_bytes: the budget, resident variables and feeds included.
         budget_ratio: alternatively, a fraction of the baseline peak: the profile's measured
             peak, or the checkpoint-all peak of the given model or cost graph.
@@ -255,9 +257,12 @@ def rematerialize(item: GraphItem, profile_or_cost_graph: "Profile | CostGraph |
     else:
         if orders != 1:
             raise ArgumentError("orders > 1 needs a Profile: each order is a traced step")
-        models = [profile_or_cost_graph if isinstance(profile_or_cost_graph, MemoryModel) else
-                  MemoryModel(profile_or_cost_graph, profile_or_cost_graph,
-                              [[i] for i in range(profile_or_cost_graph.num_ops)])]
+        models = (list(profile_or_cost_graph) if isinstance(profile_or_cost_graph, list) else
+                  [profile_or_cost_graph] if isinstance(profile_or_cost_graph, MemoryModel) else
+                  [MemoryModel(profile_or_cost_graph, profile_or_cost_graph,
+                               [[i] for i in range(profile_or_cost_graph.num_ops)])])
+        if not models:
+            raise ArgumentError("an empty list of memory models: give at least one")
         baseline_bytes = baselines.checkpoint_all(models[0].plan_graph).peak_bytes
     if budget_bytes is None:
         budget_bytes = int(budget_ratio * baseline_bytes)

@@ -143,3 +143,10 @@ def test_the_plan_is_the_cheapest_of_several_traced_orders(narrow_item):
     assert plan.overhead == pytest.approx(min(o for o in overheads if o is not None), abs=1e-4)
     with pytest.raises(ArgumentError, match="orders > 1 needs a Profile"):
         rematerialize(step, tf_memory_model(step, profile), budget_ratio=0.7, orders=2)
+    # Models built once (``optimize`` plans every round on the same ones) serve the same way.
+    models = [tf_memory_model(step, profile) for _ in range(2)]
+    _, plan = rematerialize(step, models, budget_bytes=plan.budget_bytes, heuristic="offline")
+    assert len(plan.stats["orders"]) == 2
+    assert plan.overhead == pytest.approx(min(o for o in plan.stats["orders"] if o), abs=1e-4)
+    with pytest.raises(ArgumentError, match="empty list"):
+        rematerialize(step, [], budget_ratio=0.7)
