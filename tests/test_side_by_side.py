@@ -142,7 +142,7 @@ def test_expanded_positions_cover_every_op_of_a_chain():
     for kind, index in plan.events:
         offsets.append(offset)
         offset += 1 if kind == FREE else len(members[index])
-    assert expanded == {offsets[p] + i for p in chosen for i in range(2)}
+    assert expanded == {offsets[p] + i: offsets[p] for p in chosen for i in range(2)}
 
 
 def test_join_anchors_keep_every_earlier_event_finished():
@@ -177,12 +177,21 @@ def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
     following = next(graph.names[e.index] for e in plan.events[position + 1:]
                      if e.kind != FREE)
     strict = rewrite(item, graph, plan)
-    floating = rewrite(item, graph, plan, floating={position})
+    floating = rewrite(item, graph, plan, floating={position: position})
     assert strict.graph.get_operation_by_name(op).control_inputs
     assert not floating.graph.get_operation_by_name(op).control_inputs
     after = floating.graph.get_operation_by_name(following)
     assert op in ({c.name for c in after.control_inputs} | {t.op.name for t in after.inputs})
     compare_steps(item, floating).check()
+    # A chain floats whole, and none of its ops starts before all of the chain's inputs
+    # exist: the input gradient waits for the activation its chained ReluGrad reads.
+    grad, relu_grad = (next(p for p, e in enumerate(plan.events) if e == (COMPUTE, graph.index[n]))
+                       for n in (op.replace("MatMul_1", "MatMul"),
+                                 "gradients/layer_1/Relu_grad/ReluGrad"))
+    chained = rewrite(item, graph, plan, floating={grad: grad, relu_grad: grad})
+    first = chained.graph.get_operation_by_name(graph.names[plan.events[grad].index])
+    assert any(c.name.startswith("layer_1/Relu") for c in first.control_inputs)  # or its gate
+    compare_steps(item, chained).check()
 
 
 def test_an_untouched_step_runs_as_the_user_runs_it():
