@@ -43,10 +43,9 @@ runs, new plans), the strict chain 0.996-1.022.
 
 Measured (one plan at 0.5 of the measured peak, ``offline``, oneDNN off, idle VM, timed side
 by side with the user's step, ``tools.bench_side_by_side``): see that benchmark's JSON and
-the README. On the Keras attention step (4 heads, seq 128, batch 16, SGD) 526 events
-floated; the step took 1.300x the user's against 1.402x with the strict chain, at its plan's
-peak (2026-12-04 21:39, before ops oneDNN may merge were kept pinned; one diagnostic run
-after that: 1.274x against 1.457x, the same peak both ways).
+the README. On the Keras attention step (4 heads, seq 128, batch 16, SGD) 536 events
+floated; the step took 1.402x the user's against 1.492x with the strict chain, at its plan's
+peak (2026-12-05 00:29; a plan of 2026-12-04: 1.300x against 1.402x).
 """
 
 from __future__ import annotations

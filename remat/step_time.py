@@ -22,8 +22,8 @@ those ops run one at a time. The rewritten step then costs::
 Where the rewrite lets events float beside the chain (``remat.side_by_side``; in
 ``baechi.optimize`` when it verifies), the prediction still counts them in the chain, one after
 the other, so it over-predicts a step where floating gains much (``tools.bench_side_by_side``,
-2026-12-04: Keras attention predicted 1.58 of the user's step, measured 1.30; the six other
-steps measured 0.95-1.06 of their prediction).
+2026-12-05: the DenseNet-style step predicted 1.30 of the user's step, measured 1.10; Keras
+attention 1.54 and 1.40; the five other steps measured 0.89-1.11 of their prediction).
 Crediting the earlier two-event window's overlap with the op times of the step as it runs
 (the ops that overlapped there) was tried and predicted 14-18% too little or too much on three
 of six models.
