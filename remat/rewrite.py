@@ -444,7 +444,10 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     chains: dict[int, list] = collections.defaultdict(list)  # first position -> (node, floats)
 
     def newest(producer: str, suffix: str) -> str:
-        # What a read of ``producer`` + ``suffix`` reads now (see "Rewiring" above).
+        # What a read of ``producer`` + ``suffix`` reads now (see "Rewiring" above). A clone
+        # copies its original's inputs as rewired when the original ran, which may name an
+        # older clone: read through it to the op.
+        producer = origin.get(producer, producer)
         name = version.get(producer, producer)
         view = nodes[name]
         if view.op in IDENTITY_OP_TYPES:

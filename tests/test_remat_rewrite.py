@@ -80,6 +80,23 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
     compare_steps(item, rewritten).check()
 
 
+def test_a_clone_of_an_op_that_read_a_clone_reads_the_newest_version():
+    """ReluGrad first runs on layer_0/Relu's first recomputation; recomputed itself after a
+    second one, its clone must read the second: a copy of the original's inputs names the
+    first, which would then stay alive (measured on the mlp ``activations`` step: +1.75 MiB,
+    two versions of one activation alive at the peak)."""
+    item = models.build("mlp", preset="tiny")
+    graph = _step_graph(item)
+    relu, relu_grad = (graph.index[name] for name in
+                       ("layer_0/Relu", "gradients/layer_0/Relu_grad/ReluGrad"))
+    schedule = _recompute_layer0_before_backward(graph) + [relu, relu_grad]
+    rewritten = rewrite(item, graph, plan_from_schedule(graph, schedule, None, "hand"))
+    reads = [t.op.name for t in rewritten.graph.get_operation_by_name(
+        "gradients/layer_0/Relu_grad/ReluGrad/remat_1").inputs]
+    assert "layer_0/Relu/remat_2" in reads and "layer_0/Relu/remat_1" not in reads
+    compare_steps(item, rewritten).check()
+
+
 def test_a_mis_wired_clone_fails_the_check_with_kernel_order_noise():
     """The check the pipeline runs (tolerance widened by the original's own kernel-order
     noise) still catches a clone that reads the wrong tensor of the right shape."""
