@@ -15,8 +15,8 @@ promises:
   its measured peak must be within 5% of the budget; if it is not, the pass plans again for a
   budget lowered by the measured excess (``MAX_PLAN_ROUNDS`` rounds at most) and reports every
   round, or fails with the numbers. Only a verified pass lets backward events float beside the
-  chain (``remat.side_by_side``): a peak measured above that plan's by more than
-  ``WINDOW_TOLERANCE`` sends it back to the strict chain, for the same budget, first.
+  chain (``remat.side_by_side``): a peak measured above the budget, or above that plan's by
+  more than ``PEAK_TOLERANCE``, sends it back to the strict chain, for the same budget, first.
 - ``place``: place the step on the target's devices (``baechi.place_and_run``: group, fuse,
   m-TOPO / m-ETF / m-SCT under each device's limit, apply). Requires more than one device;
   ensures every op is placed within its device's memory and, when verifying, that the placed
@@ -45,7 +45,7 @@ from graphfit.profiler.trace import print_progress, profile_graph
 from graphfit.remat.pipeline import GRAPH_PASSES, PLANNERS, BudgetError, prepare_step
 from graphfit.remat.plan import RematPlan
 
-__all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "WINDOW_TOLERANCE", "OptimizeResult",
+__all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "OptimizeResult",
            "PassRecord", "StepFailedError", "optimize"]
 
 PASSES = ("grad_accumulation", "early_updates", "remat", "place")
@@ -57,9 +57,6 @@ MAX_PLAN_ROUNDS = 3
 # whose cheapest plan is kept (``remat.pipeline._cheapest_plan``): eight orders of a Keras
 # attention step planned 1.19-1.52 at 0.5 of its peak (2026-12-05).
 PLAN_ORDERS = 6
-# Floating events stay only where the measured peak is within this of the plan's (the earlier
-# two-event window measured 1.04-1.19 of its plan on Keras attention with Adam in 4 of 11 runs).
-WINDOW_TOLERANCE = 0.01
 
 
 class StepFailedError(GraphfitError):
@@ -125,6 +122,16 @@ def _missed(budget: int, rounds: list[dict]) -> str:
             f"{summary}")
 
 
+def _floating_kept(measured_bytes: int, planned_bytes: int, budget_bytes: int) -> bool:
+    """Whether a step with floating events may stay as measured: within the user's budget
+    (not its tolerance: the strict chain is there to fall back on) and within
+    ``PEAK_TOLERANCE`` of its plan. The floating bound itself is not sound on every run (the
+    mlp ``activations`` step measured 0.25-1 MiB over its plan in 12 of 32 traced runs), but
+    where the plan leaves room below the budget the step still fits; a miss of 1% sent Keras
+    attention back to its strict chain at 0.97 of its budget (2026-12-05), 6% slower."""
+    return measured_bytes <= min(budget_bytes, planned_bytes * (1 + PEAK_TOLERANCE))
+
+
 def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                 budget_ratio: float | None, heuristic: str, overhead_limit: float, verify: bool,
                 num_cpu_devices: int, order_updates: bool) -> tuple[GraphItem, RematPlan, dict]:
@@ -183,8 +190,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                 original, rewritten, kernel_order_noise=True)
         details["measured_peak_over_budget"] = details["measured_peak_bytes"] / budget
         rounds.append(details)
-        if side_by_side and plan.stats["side_by_side_events"] and (
-                details["measured_peak_bytes"] > plan.peak_bytes * (1 + WINDOW_TOLERANCE)):
+        if side_by_side and plan.stats["side_by_side_events"] and not _floating_kept(
+                details["measured_peak_bytes"], plan.peak_bytes, budget):
             side_by_side = False
             continue
         if details["measured_peak_bytes"] <= budget * (1 + PEAK_TOLERANCE):

@@ -32,7 +32,8 @@ chain's inputs, so the rewrite holds every floating op of a chain until each of 
 mlp ``activations`` step measured 1 MiB over its plan in 11 of 20 traced runs of five plans,
 with it in 4 of 20). The bound still misses on that step: 12 of 32 runs of eight plans
 measured 0.25-1 MiB over (2026-12-05), which is why ``baechi.optimize`` measures every
-floating step and falls back to the strict chain. The
+floating step and falls back to the strict chain when one misses its budget, or its plan by
+more than 5%. The
 rewrite may still pin an event chosen here (a ``Mul`` or ``Add``, which Grappler regroups
 unless it has a control edge, or an op oneDNN may merge with another: ``remat.rewrite.
 NEVER_FLOATING_OP_TYPES``): pinning only delays an event, which the bound allows.

@@ -91,6 +91,23 @@ def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(na
     assert remat["measured_peak_bytes"] <= 1.05 * remat["budget_bytes"]
 
 
+@pytest.mark.slow
+def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(narrow_item, monkeypatch):
+    from graphfit.remat import measure
+
+    real = measure.measure_rewrite
+
+    def measure_rewrite(original, rewritten, plan, **kwargs):
+        report = real(original, rewritten, plan, **kwargs)
+        report["measured_peak_bytes"] = min(plan.budget_bytes, int(plan.peak_bytes * 1.03))
+        return report
+
+    monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
+    remat = baechi.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
+    assert remat["measured_peak_bytes"] > remat["planned_peak_bytes"]
+    assert len(remat["rounds"]) == 1 and remat["side_by_side_events"] > 0
+
+
 def test_without_verifying_the_backward_pass_is_a_strict_chain(item):
     """Events side by side can exceed their plan; only a measured step may keep them."""
     remat = baechi.optimize(item, memory_ratio=0.7, verify=False, progress=None).report()["remat"]
