@@ -195,8 +195,8 @@ def rematerialize(item: GraphItem,
                   profile_or_cost_graph: "Profile | CostGraph | MemoryModel | list[MemoryModel]",
                   budget_bytes: int | None = None, budget_ratio: float | None = None,
                   heuristic: str = "dtr", overhead_limit: float = 2.0,
-                  side_by_side: bool = False, step_traces: "StepTraces | None" = None,
-                  orders: int = 1) -> tuple[GraphItem, RematPlan]:
+                  side_by_side: bool = False, step_traces: "StepTraces | None" = None
+                  ) -> tuple[GraphItem, RematPlan]:
     """Rewrite ``item`` so that its step fits a memory budget, recomputing what it must.
 
     Parameters:
@@ -223,8 +223,6 @@ def rematerialize(item: GraphItem,
             predict the rewritten step's wall time against the user's, into
             ``plan.stats["step_time"]`` (floating events counted in the chain:
             ``remat.step_time``).
-        orders: with a ``Profile``, how many memory models to build, each from its own traced
-            step; the plan is the cheapest of their plans (``_cheapest_plan``).
 
     Returns:
         ``(rewritten item, plan)``; the plan's ``peak_bytes`` (``remat.tf_memory.
@@ -250,13 +248,10 @@ def rematerialize(item: GraphItem,
         raise ArgumentError("give exactly one of budget_bytes and budget_ratio")
     if budget_ratio is not None:
         check_number(budget_ratio, "budget_ratio", above=0)
-    check_number(orders, "orders", minimum=1, integer=True)
     if isinstance(profile_or_cost_graph, Profile):
-        models = [tf_memory_model(item, profile_or_cost_graph) for _ in range(orders)]
+        models = [tf_memory_model(item, profile_or_cost_graph)]
         baseline_bytes = profile_or_cost_graph.peak_bytes
     else:
-        if orders != 1:
-            raise ArgumentError("orders > 1 needs a Profile: each order is a traced step")
         models = (list(profile_or_cost_graph) if isinstance(profile_or_cost_graph, list) else
                   [profile_or_cost_graph] if isinstance(profile_or_cost_graph, MemoryModel) else
                   [MemoryModel(profile_or_cost_graph, profile_or_cost_graph,

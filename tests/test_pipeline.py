@@ -154,16 +154,12 @@ def test_the_plan_is_the_cheapest_of_several_traced_orders(narrow_item):
 
     step = step_item(narrow_item)
     profile = measure_step(step, steps=2, warmup=1).profile
-    _, plan = rematerialize(step, profile, budget_ratio=0.7, heuristic="offline", orders=3)
+    # Models built once: ``optimize`` plans every round on the same ones.
+    models = [tf_memory_model(step, profile) for _ in range(3)]
+    _, plan = rematerialize(step, models, budget_bytes=int(0.7 * profile.peak_bytes),
+                            heuristic="offline")
     overheads = plan.stats["orders"]
     assert len(overheads) == 3 and any(o is not None for o in overheads)
     assert plan.overhead == pytest.approx(min(o for o in overheads if o is not None), abs=1e-4)
-    with pytest.raises(ArgumentError, match="orders > 1 needs a Profile"):
-        rematerialize(step, tf_memory_model(step, profile), budget_ratio=0.7, orders=2)
-    # Models built once (``optimize`` plans every round on the same ones) serve the same way.
-    models = [tf_memory_model(step, profile) for _ in range(2)]
-    _, plan = rematerialize(step, models, budget_bytes=plan.budget_bytes, heuristic="offline")
-    assert len(plan.stats["orders"]) == 2
-    assert plan.overhead == pytest.approx(min(o for o in plan.stats["orders"] if o), abs=1e-4)
     with pytest.raises(ArgumentError, match="empty list"):
         rematerialize(step, [], budget_ratio=0.7)
