@@ -165,10 +165,11 @@ def _cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: st
     """The model whose plan recomputes least, and that plan; ``stats["orders"]`` records each
     model's overhead (``None``: no plan).
 
-    Plans follow the op order of the traced step their model was calibrated on, and TF's
-    executor runs a step in a different order each time: on a Keras attention step (Adam,
-    0.5 of its peak) six models of one process planned 1.208, 1.219, 1.261, 1.346 and 1.379,
-    and one found no plan. Planning takes well under a second; a model, one traced step.
+    Plans follow the op order of their model's planning graph: the traced step's, which TF's
+    executor runs differently each time (on a Keras attention step with Adam at 0.5 of its
+    peak six models of one process planned 1.208, 1.219, 1.261, 1.346 and 1.379, and one
+    found no plan), or that order with the backward pass reordered
+    (``remat.backward_order``). Planning takes well under a second; a model, one traced step.
 
     Raises:
         BudgetError: no model has a plan; the error naming the lowest minimum.
@@ -203,13 +204,15 @@ def rematerialize(item: GraphItem,
         item: the training step.
         profile_or_cost_graph: a ``Profile`` of the step ``remat.tf_memory.step_item(item)``
             (a ``remat.tf_memory.MemoryModel`` is made from it with one more traced step), a
-            ready ``MemoryModel`` of ``item`` or a list of them (each of its own traced order:
-            the plan is the cheapest of their plans), or a plain ``CostGraph`` of ``item``
+            ready ``MemoryModel`` of ``item`` or a list of them (each of its own traced order),
+            or a plain ``CostGraph`` of ``item``
             (planned op by op, without TF's calibration).
         budget_bytes: the budget, resident variables and feeds included.
         budget_ratio: alternatively, a fraction of the baseline peak: the profile's measured
             peak, or the checkpoint-all peak of the given model or cost graph.
-        heuristic: a planner of ``PLANNERS`` (default DTR's h_DTR).
+        heuristic: a planner of ``PLANNERS`` (default DTR's h_DTR). It plans every model
+            as it is and with its backward pass reordered (``remat.backward_order``), and the
+            cheapest of those plans is lowered.
         overhead_limit: compute multiple beyond which DTR heuristics give up (thrash).
         side_by_side: let events of the backward pass float, running as soon as their
             inputs exist, wherever a bound on the memory stays within the plan's peak
@@ -239,6 +242,7 @@ def rematerialize(item: GraphItem,
         Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021.
     """
     from graphfit.remat import baselines
+    from graphfit.remat.backward_order import reorder_backward
     from graphfit.remat.rewrite import rewrite
     from graphfit.remat.side_by_side import expanded_positions, floating_events
     from graphfit.remat.step_time import predict_step_time
@@ -261,7 +265,10 @@ def rematerialize(item: GraphItem,
         baseline_bytes = baselines.checkpoint_all(models[0].plan_graph).peak_bytes
     if budget_bytes is None:
         budget_bytes = int(budget_ratio * baseline_bytes)
-    model, planned = _cheapest_plan(models, budget_bytes, heuristic, overhead_limit, item.loss)
+    # Each traced order as it ran and with its backward pass reordered, alternately.
+    candidates = [m for model in models for m in (model, reorder_backward(item, model))]
+    model, planned = _cheapest_plan(candidates, budget_bytes, heuristic, overhead_limit,
+                                    item.loss)
     planned.stats["replay_peak_bytes"] = planned.peak_bytes
     planned.peak_bytes = tf_peak_bytes(model, planned)
     # Events float only where the bound stays within the predicted peak (TF's accounting,

@@ -23,7 +23,7 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   default ``pin_order="tail"`` chains every node in plan order (one edge per node, skipped
   where a data edge already orders the pair, and for source nodes, such as variable handles,
   which an initialiser may read) from the backward pass on: from the first gradient op that
-  reads an activation (``_backward_start``), or from the first recomputation if that comes
+  reads an activation (``backward_start``), or from the first recomputation if that comes
   earlier. The backward pass then runs in the plan's order, as the memory prediction
   assumes, while each kernel keeps its intra-op threads.
   Starting only at the first recomputation is not enough: when it comes late in the backward
@@ -119,7 +119,7 @@ from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
 __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
-           "check_recomputable"]
+           "check_recomputable", "backward_start"]
 
 
 
@@ -291,8 +291,10 @@ def _protect_fusions(graph_def: tf.compat.v1.GraphDef) -> int:
 _SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
-def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> str | None:
-    """The first op of ``plan`` in the backward pass that reads an activation: outside the
+def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[int]
+                   ) -> str | None:
+    """The first op of ``computed`` (op ids of ``cost_graph`` in the order a plan first
+    computes them) in the backward pass that reads an activation: outside the
     loss's data fan-in, reading a tensor of the fan-in that depends on a variable (not a
     shape of the feeds, a constant, a variable read itself) and, when the graph names its
     backward pass (``gradient_tape/``, ``gradients/``), under that name scope. That is where
@@ -320,10 +322,10 @@ def _backward_start(item: GraphItem, cost_graph: CostGraph, plan: RematPlan) -> 
                                    for t in item.graph.get_operation_by_name(name).inputs):
             activations.add(name)
     scoped = any(BACKWARD_SCOPE.search(name) for name in cost_graph.names)
-    for event in plan.events:
-        name = cost_graph.names[event.index] if event.kind == COMPUTE else None
-        if (name is None or name in forward or cost_graph.op_types[event.index] in
-                _SHAPE_OP_TYPES or (scoped and not BACKWARD_SCOPE.search(name))):
+    for index in computed:
+        name = cost_graph.names[index]
+        if (name in forward or cost_graph.op_types[index] in _SHAPE_OP_TYPES or
+                (scoped and not BACKWARD_SCOPE.search(name))):
             continue
         if any(t.op.name in activations and t.dtype != tf.resource
                for t in item.graph.get_operation_by_name(name).inputs):
@@ -435,7 +437,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     clones = []
     safe = recomputable_ops(cost_graph)
     previous = None                      # node of the plan's previous compute / recompute
-    backward_start = _backward_start(item, cost_graph, plan)
+    first_read = backward_start(item, cost_graph,
+                                (e.index for e in plan.events if e.kind == COMPUTE))
     pinning = False                      # "tail": from the backward pass on
     pinned_from = len(plan.events)       # position of the first pinned event
     control_edges = 0
@@ -491,7 +494,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             origin[node.name] = op_name
             clones.append(node)
             version[op_name] = node.name
-        if not pinning and (event.kind == RECOMPUTE or op_name == backward_start):
+        if not pinning and (event.kind == RECOMPUTE or op_name == first_read):
             pinning, pinned_from = True, position
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not

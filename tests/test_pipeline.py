@@ -158,8 +158,8 @@ def test_the_plan_is_the_cheapest_of_several_traced_orders(narrow_item):
     models = [tf_memory_model(step, profile) for _ in range(3)]
     _, plan = rematerialize(step, models, budget_bytes=int(0.7 * profile.peak_bytes),
                             heuristic="offline")
-    overheads = plan.stats["orders"]
-    assert len(overheads) == 3 and any(o is not None for o in overheads)
+    overheads = plan.stats["orders"]     # each model as traced, then reordered
+    assert len(overheads) == 6 and any(o is not None for o in overheads)
     assert plan.overhead == pytest.approx(min(o for o in overheads if o is not None), abs=1e-4)
     with pytest.raises(ArgumentError, match="empty list"):
         rematerialize(step, [], budget_ratio=0.7)
