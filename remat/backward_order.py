@@ -6,9 +6,9 @@ topological order of the ops from there on is one TF will run. The order TF's ex
 happened to start the ops in, in the traced step a memory model was calibrated on, is one such
 order, and a poor one to plan on: it interleaves independent gradient branches, keeping
 several large tensors alive at once. On a Keras attention step (2 blocks, seq 128, batch 16,
-Adam) at 0.5 of its peak, three traced orders planned (``offline``) 1.198, 1.156 and 1.345;
-the same three with their backward passes reordered here 1.145, 1.146 and 1.145
-(2026-12-05).
+Adam) at 0.5 of its peak, six traced orders planned (``offline``) 1.231-1.359, and the same
+six with their backward passes reordered here 1.185-1.198 (``tools.bench_reach``,
+2026-12-05 03:26).
 
 The order is greedy, as a list scheduler for memory: among the ops whose predecessors have
 all run, run the one whose outputs allocate the fewest bytes minus the bytes of its inputs it

@@ -3,8 +3,6 @@ bytes first, and a memory model renumbered in it that plans and lowers like any 
 
 from __future__ import annotations
 
-import pytest
-
 from graphfit import models
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.remat import simulator
