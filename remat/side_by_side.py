@@ -49,6 +49,16 @@ by side with the user's step, ``tools.bench_side_by_side``): see that benchmark'
 the README. On the Keras attention step (4 heads, seq 128, batch 16, SGD) 536 events
 floated; the step took 1.402x the user's against 1.492x with the strict chain, at its plan's
 peak (2026-12-05 00:29; a plan of 2026-12-04: 1.300x against 1.402x).
+
+Where the rest goes (2026-12-05 05:20, the Keras attention step of ``tools.bench_reach``, with
+Adam; one plan at 0.5 recomputing 1.146x, rewritten several ways and timed side by side with
+the user's step, 11 rounds): strict chain 1.408x, floating 1.343x; with every event floating
+that is not stateful (the bound off: about 45 more, the large products of the tightest
+moments) 1.231x, but at 1.25 of the budget; with no ordering edge at all 1.118x at 2.0 of it.
+So the chain's remaining cost is memory the bound rightly refuses. Floating variable reads
+(240 more events) or ``Mul``/``Add`` as well measured no gain (1.38x and 1.383x), and planning
+for 0.9-0.95 of the budget to let events float up to it cost more than it freed (1.21-1.29x
+compute, no more events floating).
 """
 
 from __future__ import annotations

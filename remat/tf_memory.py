@@ -375,11 +375,10 @@ def tf_peak_bytes(model: MemoryModel, plan: RematPlan) -> int:
             if t not in resident:
                 resident.add(t)
                 live_bytes += int(graph.tensor_bytes[t])
-        freed_next = set()
-        for later_kind, later_index in events[position + 1:]:
-            if later_kind != FREE:
-                break
-            freed_next.add(later_index)
+        freed_next, later = set(), position + 1
+        while later < len(events) and events[later].kind == FREE:
+            freed_next.add(events[later].index)
+            later += 1
         reused = sum(int(graph.tensor_bytes[t]) for t in model.reuses.get(index, ())
                      if t in freed_next)
         peak_bytes = max(peak_bytes, live_bytes + int(graph.temp_bytes[index]) - reused)

@@ -464,3 +464,40 @@ def test_a_reader_of_a_weights_old_value_is_not_recomputed_after_its_update(heur
     assert (RECOMPUTE, "fwd") not in ran[update:], ran
     assert plan.peak_bytes <= budget
     replay_plan(g, plan, outputs=[0])
+
+
+def _chain_with_buffer_reuse(n: int = 8, size: int = 100):
+    """A chain of ``n`` activations and its backward pass, in which TF writes each gradient
+    into the buffer of the gradient it reads (``MemoryModel.reuses``)."""
+    from graphfit.remat.tf_memory import MemoryModel
+
+    specs = [OpSpec("x0", "X", output_bytes=[size], compute_us=1.0)]
+    specs += [OpSpec(f"x{i}", "X", inputs=[(f"x{i - 1}", 0)], output_bytes=[size],
+                     compute_us=1.0) for i in range(1, n)]
+    specs.append(OpSpec(f"g{n}", "G", inputs=[(f"x{n - 1}", 0)], output_bytes=[size],
+                        compute_us=1.0))
+    specs += [OpSpec(f"g{i}", "G", inputs=[(f"x{i}", 0), (f"g{i + 1}", 0)],
+                     output_bytes=[size], compute_us=1.0) for i in range(n - 1, -1, -1)]
+    graph = CostGraph.from_ops(specs)
+    reuses = {graph.index[f"g{i}"]: [int(graph.output_offset[graph.index[f"g{i + 1}"]])]
+              for i in range(n)}
+    return MemoryModel(graph, graph, [[i] for i in range(graph.num_ops)], reuses)
+
+
+def test_a_plan_fills_the_room_tf_buffer_reuse_leaves():
+    from graphfit.remat import pipeline
+    from graphfit.remat.tf_memory import tf_peak_bytes
+
+    model, budget = _chain_with_buffer_reuse(), 700
+    first = pipeline.plan_for_budget(model.plan_graph, budget, "dtr", 3.0, None)
+    # The planner's accounting reaches the budget, TF's (gradients in reused buffers) not.
+    assert first.peak_bytes == budget
+    assert tf_peak_bytes(model, first) < budget * (1 - pipeline.FILL_ROOM)
+    filled = pipeline._plan_filling_budget(model, budget, "dtr", 3.0, None)
+    assert filled.overhead < first.overhead
+    assert filled.stats["planner_budget_bytes"] > budget == filled.budget_bytes
+    assert tf_peak_bytes(model, filled) <= budget
+    # Wherever it is planned from, a filled plan's TF peak stays within the budget.
+    for budget in range(400, 1000, 50):
+        assert tf_peak_bytes(model, pipeline._plan_filling_budget(
+            model, budget, "dtr", 3.0, None)) <= budget
