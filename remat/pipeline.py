@@ -171,7 +171,9 @@ def _plan_filling_budget(model: "MemoryModel", budget_bytes: int, heuristic: str
                          overhead_limit: float, loss: str) -> RematPlan:
     """The cheapest of the plans of ``model`` for ``budget_bytes`` and for planning budgets
     scaled, round by round, by the budget over the last plan's peak in TF's accounting
-    (``remat.tf_memory.tf_peak_bytes``), among those whose peak fits ``budget_bytes``.
+    (``remat.tf_memory.tf_peak_bytes``), among those whose peak fits ``budget_bytes``;
+    returned with that peak as its ``peak_bytes`` (the replay's in
+    ``stats["replay_peak_bytes"]``).
 
     A planner holds its own accounting to the budget: a DTR simulation frees lazily and counts
     every output as a new buffer. TF frees a tensor after its last reader and writes some
@@ -179,13 +181,14 @@ def _plan_filling_budget(model: "MemoryModel", budget_bytes: int, heuristic: str
     (a Keras attention step with Adam at 0.5 of its peak: 0.885 of it in one bench, at 1.19x
     compute), and the room left is recomputation the plan need not pay. A planner is not
     monotone in its budget, so each plan is checked and the cheapest that fits is kept. Most
-    plans reach 0.97-1.0 of the budget already (the benches of 2026-12-05 05:27-05:46), where
-    this costs one replay and changes nothing.
+    plans reach 0.95-1.0 of the budget already (Keras attention, ResNet-, MobileNet- and
+    DenseNet-style steps, 2026-12-05), where this changes nothing.
     """
     from graphfit.remat.tf_memory import tf_peak_bytes
 
     best = plan_for_budget(model.plan_graph, budget_bytes, heuristic, overhead_limit, loss)
     planning, peak = budget_bytes, tf_peak_bytes(model, best)
+    best_peak = peak
     for _ in range(FILL_ROUNDS):
         if budget_bytes * (1 - FILL_ROOM) <= peak <= budget_bytes:
             break
@@ -196,9 +199,10 @@ def _plan_filling_budget(model: "MemoryModel", budget_bytes: int, heuristic: str
             break
         peak = tf_peak_bytes(model, plan)
         if peak <= budget_bytes and plan.overhead < best.overhead:
-            best = dataclasses.replace(plan, budget_bytes=budget_bytes, stats={
-                **plan.stats, "planner_budget_bytes": planning})
-    return best
+            best, best_peak = dataclasses.replace(plan, budget_bytes=budget_bytes, stats={
+                **plan.stats, "planner_budget_bytes": planning}), peak
+    return dataclasses.replace(best, peak_bytes=best_peak,
+                               stats={**best.stats, "replay_peak_bytes": best.peak_bytes})
 
 
 def _cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: str,
@@ -286,7 +290,7 @@ def rematerialize(item: GraphItem,
     from graphfit.remat.rewrite import rewrite
     from graphfit.remat.side_by_side import expanded_positions, floating_events
     from graphfit.remat.step_time import predict_step_time
-    from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model, tf_peak_bytes
+    from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model
 
     if (budget_bytes is None) == (budget_ratio is None):
         raise ArgumentError("give exactly one of budget_bytes and budget_ratio")
@@ -309,8 +313,6 @@ def rematerialize(item: GraphItem,
     candidates = [m for model in models for m in (model, reorder_backward(item, model))]
     model, planned = _cheapest_plan(candidates, budget_bytes, heuristic, overhead_limit,
                                     item.loss)
-    planned.stats["replay_peak_bytes"] = planned.peak_bytes
-    planned.peak_bytes = tf_peak_bytes(model, planned)
     # Events float only where the bound stays within the predicted peak (TF's accounting,
     # below the replay's wherever TF reuses a buffer).
     floats = (floating_events(model.plan_graph, planned, planned.peak_bytes)
