@@ -151,9 +151,9 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     profile = (baseline.profile if item is original else
                measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices).profile)
     planning_budget, rounds, side_by_side = budget, [], verify
-    # The same for every round of planning.
-    traces = trace_for_prediction(original, item) if verify else None
     models = [tf_memory_model(item, profile) for _ in range(PLAN_ORDERS)]
+    # The same for every round of planning.
+    traces = trace_for_prediction(original, item, models[0]) if verify else None
     for _ in range(MAX_PLAN_ROUNDS):
         try:
             rewritten, plan = rematerialize(item, models, budget_bytes=planning_budget,

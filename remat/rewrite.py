@@ -32,7 +32,9 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   past its planned free (measured on an 8-layer MLP of width 256: one or two 2 MiB buffers,
   +19 % / +38 %, in about one run of three). The forward pass keeps TF's own order, which the
   calibrated cost graph (``remat.tf_memory``) follows, and its inter-op parallelism (pinning
-  it too cost Inception-V3 10-25 % step time).
+  it too cost Inception-V3 10-25 % step time). ``pin_order="all"`` chains from the plan's
+  first event on: with nothing recomputed, the step one op at a time in the runtime and under
+  the configuration the rewritten step runs with, which ``remat.step_time`` times.
 - **Edges from nodes Grappler keeps.** Grappler folds some pinned nodes into constants and
   drops others; a node pinned after one of them would be ordered after nothing.
   ``remat.grappler_pins`` runs Grappler offline on the pinned step and gives such nodes an
@@ -333,7 +335,7 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
     return None
 
 
-PIN_ORDERS = ("tail", "clones")
+PIN_ORDERS = ("tail", "all", "clones")
 
 
 def _join_anchors(events_run: list[tuple[str, bool]]) -> list[str]:
@@ -403,7 +405,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             tensor when its last reader finished, and rewiring moved the later readers away).
         pin_order: ``"tail"``: every node from the backward pass's first read of the forward
             pass (or the first recomputation, if earlier) on gets a control edge from the
-            previous plan event's node; ``"clones"``: only clones do.
+            previous plan event's node; ``"all"``: every node from the plan's first event
+            on does; ``"clones"``: only clones do.
         floating: positions in ``plan.events`` of events that may run as soon as their inputs
             exist (``remat.side_by_side.floating_events``), each mapped to the position of
             the first op of its chain (``remat.side_by_side.expanded_positions``; itself for
@@ -414,8 +417,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     Returns:
         A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
         ``config["remat"]`` records the number of clones and control edges added, and
-        ``pinned_from``: the position in ``plan.events`` from which ``"tail"`` chains every
-        event (``remat.step_time`` predicts the step's time from it).
+        ``pinned_from``: the position in ``plan.events`` from which ``"tail"`` (or ``"all"``)
+        chains every event (``remat.step_time`` predicts the step's time from it).
 
     Raises:
         RematRewriteError: the plan recomputes an unsafe op (stateful, random, variable,
@@ -494,14 +497,15 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             origin[node.name] = op_name
             clones.append(node)
             version[op_name] = node.name
-        if not pinning and (event.kind == RECOMPUTE or op_name == first_read):
+        if not pinning and (pin_order == "all" or event.kind == RECOMPUTE or
+                            op_name == first_read):
             pinning, pinned_from = True, position
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
         floats = pinning and position in floating and node.op not in NEVER_FLOATING_OP_TYPES
         if not floats and (event.kind == RECOMPUTE or (
-                pin_order == "tail" and pinning and previous is not None and node.input)):
+                pin_order != "clones" and pinning and previous is not None and node.input)):
             waits_for = anchors[node.name] = _join_anchors(events_run)
             for anchor in waits_for:
                 if not any(_split_input(name)[0] == anchor for name in node.input):
@@ -533,6 +537,6 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
                                   "repinned_after_grappler": repinned,
                                   "unfused_pairs": unfused,
                                   "remapper_groups_freed": fusions["freed"],
-                                  "pinned_from": pinned_from if pin_order == "tail" else None,
+                                  "pinned_from": pinned_from if pin_order != "clones" else None,
                                   "method": plan.method}}
     return rewritten

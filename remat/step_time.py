@@ -12,12 +12,20 @@ those ops run one at a time. The rewritten step then costs::
 - ``forward``: when the chain can start in the original step as the user runs it (ops side
   by side): the start of the first pinned event's op, or the end of the event before it if
   that is later. The rewrite leaves everything before it unpinned.
-- the serial time of an op: its duration with ops run one at a time
-  (``profiler.session.serial_config``), each with the whole intra-op pool, as in the chain.
-  Ops that Grappler's remapper ran inside their reader cost 0 (their reader's node carries the
-  time; ``remat.remapper_fusions`` keeps clones fused the same way).
-- ``gap``: the serial step's wall time over the sum of its op times (the executor's time
+- the serial time of an op: its duration in the serial chain (``serial_chain``): the step
+  with every op chained in its traced order by the rewrite itself and nothing recomputed, so
+  ops run one at a time, each with the whole intra-op pool, in the same runtime (TF's global
+  thread pools) and under the same configuration as the rewritten step's chain. Ops that
+  Grappler's remapper ran inside their reader cost 0 (their reader's node carries the time;
+  ``remat.remapper_fusions`` keeps clones fused the same way).
+- ``gap``: the serial chain's wall time over the sum of its op times (the executor's time
   between ops, and tracing's: every time is of untraced steps, ``profiler.op_intervals``).
+
+A session of its own with one inter-op thread (``profiler.session.serial_config``) runs ops
+one at a time too, but not as the chain runs: its untraced walls on the zoo's resnet preset
+jumped between two levels, 120-180 and 240-350 ms, within one call and from process to
+process, while the chained step's stayed at 114-167 ms (2026-12-05), and the prediction moved
+with them (resnet 1.63 and 1.78 of the user's step against 1.13-1.17 measured).
 
 Where the rewrite lets events float beside the chain (``remat.side_by_side``; in
 ``baechi.optimize`` when it verifies), the prediction still counts them in the chain, one after
@@ -47,11 +55,14 @@ from typing import NamedTuple
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
-from graphfit.profiler.session import serial_config, step_config, user_config
+from graphfit.profiler.session import step_config, user_config
+from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.plan import FREE, RematPlan
-from graphfit.remat.tf_memory import step_item
+from graphfit.remat.rewrite import rewrite
+from graphfit.remat.tf_memory import MemoryModel, expand_plan, step_item, tf_memory_model
 
-__all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "trace_for_prediction"]
+__all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "serial_chain",
+           "trace_for_prediction"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +97,7 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
         plan: the plan the rewrite lowered; ``pinned_from``: the position of its first
             chained event (``config["remat"]["pinned_from"]`` of the rewritten step).
         concurrent, serial: op intervals (``profiler.op_intervals``) of the step that was
-            planned, run as usual and one op at a time.
+            planned, run as usual and one op at a time (``serial_chain``).
         user: intervals of the user's own step, if it is another graph (default
             ``concurrent``).
 
@@ -141,15 +152,27 @@ class StepTraces(NamedTuple):
     user: StepIntervals | None
 
 
-def trace_for_prediction(original: GraphItem, item: GraphItem, rounds: int = 5,
-                         traced: int = 4, min_seconds: float = 3.0) -> StepTraces:
+def serial_chain(item: GraphItem, model: MemoryModel | None = None) -> GraphItem:
+    """``item`` with every op chained in ``model``'s traced order (default: a new trace of
+    ``item``) and nothing recomputed: ``remat.rewrite``'s ``pin_order="all"`` of a
+    checkpoint-all plan, so its ops run one at a time as the rewritten step's chain runs them
+    (module docstring)."""
+    model = model or tf_memory_model(item)
+    plan = expand_plan(model, checkpoint_all(model.plan_graph))
+    return rewrite(item, model.cost_graph, plan, pin_order="all")
+
+
+def trace_for_prediction(original: GraphItem, item: GraphItem, model: MemoryModel | None = None,
+                         rounds: int = 5, traced: int = 4, min_seconds: float = 3.0
+                         ) -> StepTraces:
     """Trace ``item`` (the step a plan is made for: ``original`` after the graph passes) as it
-    runs and one op at a time, and ``original`` as the user runs it (TF's defaults), for
-    ``predict_step_time(names, plan, pinned_from, *traces)``: the untraced walls of all three
-    side by side, at least ``rounds`` rounds and ``min_seconds`` (``op_intervals``)."""
-    config = step_config(item)
-    steps = {"concurrent": (step_item(item), config),
-             "serial": (step_item(item), serial_config(config))}
+    runs and as its ``serial_chain`` (by ``model``'s order, if given), and ``original`` as the
+    user runs it (TF's defaults), for ``predict_step_time(names, plan, pinned_from,
+    *traces)``: the untraced walls of all three side by side, at least ``rounds`` rounds and
+    ``min_seconds`` (``op_intervals``)."""
+    chain = serial_chain(item, model)
+    steps = {"concurrent": (step_item(item), step_config(item)),
+             "serial": (step_item(chain), step_config(chain))}
     if original is not item:
         steps["user"] = (step_item(original), user_config())
     intervals = op_intervals(steps, rounds, traced, min_seconds=min_seconds)

@@ -7,9 +7,10 @@ import pytest
 
 from graphfit import models
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
-from graphfit.profiler.session import serial_config, user_config
+from graphfit.profiler.session import serial_config, step_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
-from graphfit.remat.step_time import predict_step_time
+from graphfit.remat.step_time import predict_step_time, serial_chain
+from graphfit.remat.tf_memory import step_item
 
 
 def _plan(events):
@@ -64,20 +65,24 @@ def test_each_round_is_predicted_against_the_user_step_of_the_same_round():
                           StepIntervals(user.traced, [20.0]))
 
 
-def test_the_serial_configuration_runs_one_op_at_a_time():
-    """With ``serial_config`` the op times of a traced step add up to its wall time; TF's
+def test_the_serial_chain_and_the_serial_configuration_run_one_op_at_a_time():
+    """In ``serial_chain`` (every op chained by the rewrite, nothing recomputed) and with
+    ``serial_config`` the op times of a traced step add up to at most its wall time; TF's
     defaults overlap them (inter-op threads), even after another session made TF's global
     pool."""
-    item = models.build("resnet", preset="tiny")
+    item = step_item(models.build("resnet", preset="tiny"))
+    chain = serial_chain(item)
+    assert chain.config["remat"]["clones"] == 0 and chain.config["remat"]["pinned_from"] == 0
     steps = op_intervals({"default": (item, user_config()),
-                          "serial": (item, serial_config(user_config()))}, rounds=2, traced=2)
-    default, serial = steps["default"], steps["serial"]
+                          "serial": (item, serial_config(user_config())),
+                          "chain": (chain, step_config(chain))}, rounds=2, traced=2)
 
     def overlap(step):
         return sum(end - start for start, end in step.values()) / max(
             end for _, end in step.values())
 
-    assert max(overlap(step) for step in serial.traced) <= 1.0
-    assert min(overlap(step) for step in default.traced) > max(
-        overlap(step) for step in serial.traced)
-    assert len(default.untraced_wall_us) == 2 and min(default.untraced_wall_us) > 0
+    one_at_a_time = [overlap(step) for name in ("serial", "chain")
+                     for step in steps[name].traced]
+    assert max(one_at_a_time) <= 1.0
+    assert min(overlap(step) for step in steps["default"].traced) > max(one_at_a_time)
+    assert len(steps["chain"].untraced_wall_us) == 2 and min(steps["chain"].untraced_wall_us) > 0

@@ -49,7 +49,7 @@ def floating_vs_strict(item, user) -> dict:
     # One memory model (its calibration trace fixes the op order), so both orders lower the
     # same plan.
     model = tf_memory_model(prepared, measure_step(prepared, steps=3, warmup=1).profile)
-    traces = trace_for_prediction(item, prepared)
+    traces = trace_for_prediction(item, prepared, model)
     budget = int(RATIO * baseline.peak_bytes)
     steps, row = {}, {"budget_bytes": budget}
     with _Sessions() as sessions:
