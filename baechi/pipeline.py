@@ -4,8 +4,10 @@ Like Grappler's meta optimizer, a list of named, independent passes transforms o
 ``GraphItem``; each can be skipped, says whether it changed anything, and checks what it
 promises:
 
-- ``grad_accumulation``, ``early_updates`` (``remat.pipeline.GRAPH_PASSES``): free memory no
-  recomputation can, before profiling: sum gradient contributions as they arrive
+- ``conv_grad_kernels``, ``grad_accumulation``, ``early_updates``
+  (``remat.pipeline.GRAPH_PASSES``): free memory no recomputation can, before profiling: run
+  stride-1 convolution gradients with TF's kernels that need no scratch buffer
+  (``remat.conv_grad_kernels``), sum gradient contributions as they arrive
   (``remat.grad_accumulation``), apply each optimizer update as soon as its gradient exists
   (``remat.early_updates``). Run when there is a memory budget.
 - ``remat``: fit a memory budget (``remat.rematerialize``: profile, DTR plan, rewrite).
@@ -48,7 +50,7 @@ from graphfit.remat.plan import RematPlan
 __all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "OptimizeResult",
            "PassRecord", "StepFailedError", "optimize"]
 
-PASSES = ("grad_accumulation", "early_updates", "remat", "place")
+PASSES = ("conv_grad_kernels", "grad_accumulation", "early_updates", "remat", "place")
 # A measured peak above budget x (1 + PEAK_TOLERANCE) is a miss; the remat pass then plans
 # again, at most MAX_PLAN_ROUNDS times in all.
 PEAK_TOLERANCE = 0.05

@@ -1,0 +1,89 @@
+"""Convolution gradients without a scratch buffer: TF's Eigen kernels where they are as fast.
+
+TF's default CPU kernels for ``Conv2DBackpropFilter`` and ``Conv2DBackpropInput`` (oneDNN off)
+unfold patches into a column buffer (im2col) and multiply it with a matrix. They size the
+buffer for a shard of images that fits a working set of 30 MiB whatever the batch
+(``conv_grad_filter_ops.cc``, ``conv_grad_input_ops.cc``: ``target_working_set_size``), so it
+is a fixed cost no plan can shrink: on ``tools.bench_reach``'s Keras ResNet-style step (32²,
+batch 32, Adam) each first-stage filter gradient took 27 MiB of temporaries beside its two
+4 MiB inputs, the planner's lower bound was 0.40-0.43 of the step's peak, and at 0.5 a plan
+had 9 MiB of room at those ops. Splitting the batch does not help (measured: a piece of 3
+images still took 27 MiB).
+
+TF registers a second CPU kernel for both ops under the label ``eigen_tensor`` (Eigen's
+``SpatialConvolutionBackward*``): it contracts the patches without materialising them.
+Measured on this 2-core machine, one op, float32, against the default (2026-12-05; ms and
+temporary MiB, filter gradient | input gradient):
+
+===========================  =========================  =========================
+input, filter, stride        default                    ``eigen_tensor``
+===========================  =========================  =========================
+32x32²x32, 3x3x32x32, 1      12.4, 27.0 | 11.7, 1.1     10.3, 0 | 6.1, 0
+32x16²x64, 3x3x64x64, 1      6.9, 22.5 | 9.5, 0.6       5.4, 0 | 5.2, 0
+32x8²x128, 3x3x128x128, 1    6.6, 9.8 | 13.4, 0.3       5.0, 0 | 5.2, 0
+8x16²x256, 3x3x256x256, 1    21.9, 15.8 | 31.4, 2.2     19.0, 0 | 19.1, 0
+8x64²x64, 1x1x64x256, 1      38.3, 6.0 | 51.2, 1.0      37.4, 0 | 46.3, 0
+32x32²x3, 3x3x3x32, 1        3.7, 13.6 | 3.9, 13.6      4.9, 0 | 3.1, 0
+32x32²x32, 3x3x32x64, 2      5.1, 20.5 | 7.2, 20.5      15.0, 0 | 10.6, 0
+16x64²x3, 7x7x3x32, 2        7.9, 24.1 | 6.2, 0.6       33.9, 0 | 43.2, 0
+===========================  =========================  =========================
+
+Both agree with a float64 reference to 1-8e-7 (relative). So the pass gives the Eigen kernel
+(a ``_kernel`` attribute, as ``tf.Graph._kernel_label_map`` sets it) to every convolution
+gradient of stride 1 and no dilation: no temporary, and as fast or faster except for the filter
+gradient of a layer with very few input channels (+1.2 ms on the 3-channel input above).
+Strided ones keep the default kernels, 1.5-7x faster there, and their buffers.
+
+Skipped with oneDNN on: its layout pass replaces both ops with its own kernels.
+Postconditions: the rewritten graph imports and keeps every node, name and edge.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from graphfit.models.graph_item import GraphItem
+from graphfit.remat.graph_def_walk import rebuild
+
+__all__ = ["use_eigen_conv_gradients", "CONV_GRADIENT_OP_TYPES", "EIGEN_KERNEL_LABEL"]
+
+CONV_GRADIENT_OP_TYPES = ("Conv2DBackpropFilter", "Conv2DBackpropInput")
+EIGEN_KERNEL_LABEL = b"eigen_tensor"
+
+
+def _onednn_enabled() -> bool:
+    from tensorflow.python.util import _pywrap_util_port
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def _eigen_is_as_fast(node: tf.compat.v1.NodeDef) -> bool:
+    """Stride 1 and no dilation (module docstring's measurements)."""
+    unit = [1, 1, 1, 1]
+    return (list(node.attr["strides"].list.i) == unit and
+            list(node.attr["dilations"].list.i or unit) == unit)
+
+
+def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
+    """Run every stride-1 convolution gradient of ``item`` with TF's Eigen kernel, which needs
+    no column buffer (module docstring).
+
+    Returns:
+        ``(step, record)``: the rewritten step (``item`` itself when nothing matched or oneDNN
+        is on) and a JSON-ready record: ``changed``, ``relabelled`` ops, ``strided`` ones left
+        on the default kernels (ops with a kernel chosen already are not counted).
+    """
+    record = {"changed": False, "relabelled": 0, "strided": 0}
+    if _onednn_enabled():
+        return item, {**record, "skipped": "oneDNN on: its own kernels replace the ops"}
+    graph_def = item.graph.as_graph_def()
+    for node in graph_def.node:
+        if node.op in CONV_GRADIENT_OP_TYPES and "_kernel" not in node.attr:
+            if _eigen_is_as_fast(node):
+                node.attr["_kernel"].s = EIGEN_KERNEL_LABEL
+                record["relabelled"] += 1
+            else:
+                record["strided"] += 1
+    if not record["relabelled"]:
+        return item, record
+    record["changed"] = True
+    return rebuild(item, graph_def, "conv_grad_kernels", record), record
