@@ -103,8 +103,10 @@ def _report() -> list[dict]:
                "update_chains": _update_chains(item)}
     # Costs are measured on a loaded machine: a generous overhead limit keeps DTR from
     # declaring thrashing on noise (the test is about fitting and running, not overhead).
+    # With oneDNN off, the eigen_tensor kernels of remat.conv_grad_kernels alone fit this step
+    # at 0.5, nothing recomputed (2026-12-05): skipped, so the rewrite meets the fusions.
     report = optimize(item, memory_ratio=RATIO, remat_overhead_limit=4.0,
-                      progress=None).report()["remat"]
+                      skip=("conv_grad_kernels",), progress=None).report()["remat"]
     return [kernels, {key: value for key, value in report.items()
                       if not isinstance(value, (dict, list))}]
 
