@@ -57,6 +57,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL, has_two_kernels, uses_eigen
 from graphfit.profiler.session import make_session, session_config
 from graphfit.profiler.trace import step_fetches
 
@@ -188,9 +189,13 @@ def _step_ops(item: GraphItem) -> list[tf.Operation]:
 
 def unfused_twin(item: GraphItem) -> tuple[GraphItem, tf.compat.v1.ConfigProto]:
     """``item`` in which every reader of a tensor waits (control edge) for the reader before
-    it, and the project's session configuration with Grappler's remapper off: the same
-    arithmetic with TF's fusions left apart (module docstring), so its step differs from
-    ``item``'s only by the rounding of the kernels.
+    it, each convolution gradient with two CPU kernels on the other one
+    (``profiler.conv_kernels``), and the project's session configuration with Grappler's
+    remapper off: the same arithmetic with TF's fusions left apart and the other kernels
+    (module docstring), so its step differs from ``item``'s only by the rounding of the
+    kernels. (On the Keras DenseNet-style step with Adam, ``remat.conv_grad_kernels``'
+    kernels moved the weights after one step by up to 2.2e-6, beyond ``rtol``; a twin with
+    only the fusions apart did not show that noise, 2026-12-05.)
 
     Why these edges: Grappler drops a control edge that repeats a data edge, so only an edge
     from another node keeps a fusion apart. oneDNN's merge of two readers of one gradient
@@ -217,6 +222,12 @@ def unfused_twin(item: GraphItem) -> tuple[GraphItem, tf.compat.v1.ConfigProto]:
         for earlier, later in zip(chain, chain[1:]):
             if f"^{earlier}" not in nodes[later].input:
                 nodes[later].input.append(f"^{earlier}")
+    for node in graph_def.node:
+        if has_two_kernels(node):
+            if uses_eigen(node):
+                del node.attr["_kernel"]
+            else:
+                node.attr["_kernel"].s = EIGEN_KERNEL_LABEL
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")

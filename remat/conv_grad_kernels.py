@@ -11,7 +11,8 @@ had 9 MiB of room at those ops. Splitting the batch does not help (measured: a p
 images still took 27 MiB).
 
 TF registers a second CPU kernel for both ops under the label ``eigen_tensor`` (Eigen's
-``SpatialConvolutionBackward*``): it contracts the patches without materialising them.
+``SpatialConvolutionBackward*``, ``profiler.conv_kernels``): it contracts the patches without
+materialising them.
 Measured on this 2-core machine, one op, float32, against the default (2026-12-05; ms and
 temporary MiB, filter gradient | input gradient):
 
@@ -40,27 +41,17 @@ Postconditions: the rewritten graph imports and keeps every node, name and edge.
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.conv_kernels import (CONV_GRADIENT_OP_TYPES, EIGEN_KERNEL_LABEL,
+                                            has_two_kernels)
 from graphfit.remat.graph_def_walk import rebuild
 
-__all__ = ["use_eigen_conv_gradients", "CONV_GRADIENT_OP_TYPES", "EIGEN_KERNEL_LABEL"]
-
-CONV_GRADIENT_OP_TYPES = ("Conv2DBackpropFilter", "Conv2DBackpropInput")
-EIGEN_KERNEL_LABEL = b"eigen_tensor"
+__all__ = ["use_eigen_conv_gradients"]
 
 
 def _onednn_enabled() -> bool:
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())
-
-
-def _eigen_is_as_fast(node: tf.compat.v1.NodeDef) -> bool:
-    """Stride 1 and no dilation (module docstring's measurements)."""
-    unit = [1, 1, 1, 1]
-    return (list(node.attr["strides"].list.i) == unit and
-            list(node.attr["dilations"].list.i or unit) == unit)
 
 
 def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
@@ -78,7 +69,7 @@ def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
     graph_def = item.graph.as_graph_def()
     for node in graph_def.node:
         if node.op in CONV_GRADIENT_OP_TYPES and "_kernel" not in node.attr:
-            if _eigen_is_as_fast(node):
+            if has_two_kernels(node):
                 node.attr["_kernel"].s = EIGEN_KERNEL_LABEL
                 record["relabelled"] += 1
             else:

@@ -34,7 +34,10 @@ the other, so it over-predicts a step where floating gains much (``tools.bench_s
 attention 1.54 and 1.40; the five other steps measured 0.89-1.11 of their prediction).
 Crediting the earlier two-event window's overlap with the op times of the step as it runs
 (the ops that overlapped there) was tried and predicted 14-18% too little or too much on three
-of six models.
+of six models. Crediting floating events at the user's backward pace (the user's backward
+wall over the serial chain's, 0.76-0.93) was tried with the serial chain (``tools.
+bench_grappler --quick``, 2026-12-05 07:15): within 10% on 4 of 6 models (attention measured
+1.16 of it, depthwise 1.11), against 5 of 6 for the same plans without it.
 
 Walls come from untraced steps of the three (the step as it runs, one op at a time, the user's)
 timed side by side, round by round: on a shared 2-core machine a 30 ms Keras step's wall moved

@@ -7,7 +7,8 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.step_compare import compare_steps
 from graphfit.profiler.trace import profile_graph
-from graphfit.remat.conv_grad_kernels import EIGEN_KERNEL_LABEL, use_eigen_conv_gradients
+from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL
+from graphfit.remat.conv_grad_kernels import use_eigen_conv_gradients
 from graphfit.remat.tf_memory import step_item
 
 
