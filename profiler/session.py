@@ -37,7 +37,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 __all__ = ["session_config", "user_config", "serial_config", "make_session", "step_config",
-           "REWRITING_PASSES"]
+           "onednn_enabled", "REWRITING_PASSES"]
 
 # ``GraphItem.config`` keys the project's graph rewrites record (``remat.rewrite``,
 # ``remat.grad_accumulation``, ``remat.early_updates``): a step carrying one has clones or
@@ -93,3 +93,10 @@ def make_session(graph: tf.Graph, num_cpu_devices: int = 1, target: str = "",
     (default ``session_config``)."""
     return tf.compat.v1.Session(target=target, graph=graph,
                                 config=config or session_config(num_cpu_devices))
+
+
+def onednn_enabled() -> bool:
+    """Whether this process's TF runs oneDNN's kernels and graph passes (chosen when TF loads,
+    ``TF_ENABLE_ONEDNN_OPTS``)."""
+    from tensorflow.python.util import _pywrap_util_port
+    return bool(_pywrap_util_port.IsMklEnabled())

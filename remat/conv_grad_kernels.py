@@ -44,14 +44,10 @@ from __future__ import annotations
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.conv_kernels import (CONV_GRADIENT_OP_TYPES, EIGEN_KERNEL_LABEL,
                                             has_two_kernels)
+from graphfit.profiler.session import onednn_enabled
 from graphfit.remat.graph_def_walk import rebuild
 
 __all__ = ["use_eigen_conv_gradients"]
-
-
-def _onednn_enabled() -> bool:
-    from tensorflow.python.util import _pywrap_util_port
-    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
@@ -64,7 +60,7 @@ def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
         on the default kernels (ops with a kernel chosen already are not counted).
     """
     record = {"changed": False, "relabelled": 0, "strided": 0}
-    if _onednn_enabled():
+    if onednn_enabled():
         return item, {**record, "skipped": "oneDNN on: its own kernels replace the ops"}
     graph_def = item.graph.as_graph_def()
     for node in graph_def.node:

@@ -5,9 +5,9 @@ import numpy as np
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL
 from graphfit.profiler.step_compare import compare_steps
 from graphfit.profiler.trace import profile_graph
-from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL
 from graphfit.remat.conv_grad_kernels import use_eigen_conv_gradients
 from graphfit.remat.tf_memory import step_item
 

@@ -47,14 +47,14 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.core.protobuf import rewriter_config_pb2  # noqa: E402
-from tensorflow.python.util import _pywrap_util_port  # noqa: E402
 
 from graphfit import models  # noqa: E402
 from graphfit.baechi.pipeline import optimize  # noqa: E402
 from graphfit.models.graph_item import GraphItem  # noqa: E402
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary  # noqa: E402
 from graphfit.profiler.profile import atomic_write_json  # noqa: E402
-from graphfit.profiler.session import session_config, step_config, user_config  # noqa: E402
+from graphfit.profiler.session import (onednn_enabled, session_config, step_config,  # noqa: E402
+                                        user_config)
 from graphfit.profiler.trace import print_progress, profile_from_run_metadata  # noqa: E402
 from graphfit.remat.pipeline import BudgetError  # noqa: E402
 from graphfit.remat.rewrite import RematRewriteError  # noqa: E402
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     atomic_write_json(f"{stem}.json", {
         "ratio": RATIO, "quick": quick, "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "onednn": bool(_pywrap_util_port.IsMklEnabled()), "rows": rows})
+        "onednn": onednn_enabled(), "rows": rows})
     _plot(rows, f"{stem}.png")
     for r in rows:
         remat = r.get("remat", {})
