@@ -4,10 +4,11 @@ Like Grappler's meta optimizer, a list of named, independent passes transforms o
 ``GraphItem``; each can be skipped, says whether it changed anything, and checks what it
 promises:
 
-- ``conv_grad_kernels``, ``grad_accumulation``, ``early_updates``
+- ``conv_grad_kernels``, ``flat_matmuls``, ``grad_accumulation``, ``early_updates``
   (``remat.pipeline.GRAPH_PASSES``): free memory no recomputation can, before profiling: run
   stride-1 convolution gradients with TF's kernels that need no scratch buffer
-  (``remat.conv_grad_kernels``), sum gradient contributions as they arrive
+  (``remat.conv_grad_kernels``), batch products against one shared matrix and their weight
+  gradients as one matrix product (``remat.flat_matmuls``), sum gradient contributions as they arrive
   (``remat.grad_accumulation``), apply each optimizer update as soon as its gradient exists
   (``remat.early_updates``). Run when there is a memory budget.
 - ``remat``: fit a memory budget (``remat.rematerialize``: profile, DTR plan, rewrite).
@@ -50,7 +51,8 @@ from graphfit.remat.plan import RematPlan
 __all__ = ["PASSES", "MAX_PLAN_ROUNDS", "PEAK_TOLERANCE", "OptimizeResult",
            "PassRecord", "StepFailedError", "optimize"]
 
-PASSES = ("conv_grad_kernels", "grad_accumulation", "early_updates", "remat", "place")
+PASSES = ("conv_grad_kernels", "flat_matmuls", "grad_accumulation", "early_updates", "remat",
+          "place")
 # A measured peak above budget x (1 + PEAK_TOLERANCE) is a miss; the remat pass then plans
 # again, at most MAX_PLAN_ROUNDS times in all.
 PEAK_TOLERANCE = 0.05

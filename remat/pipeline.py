@@ -1,9 +1,10 @@
 """The rematerialization pass as one call: cost graph -> plan under a budget -> rewritten step.
 
 ``prepare_step`` runs the GraphDef passes that lower the step's memory before it is profiled
-(``GRAPH_PASSES``: ``remat.conv_grad_kernels``, ``remat.grad_accumulation``,
-``remat.early_updates``); they free memory that no recomputation can (a kernel's scratch
-buffer, gradients waiting for a sum or for the optimizer), and because they run before
+(``GRAPH_PASSES``: ``remat.conv_grad_kernels``, ``remat.flat_matmuls``,
+``remat.grad_accumulation``, ``remat.early_updates``); they free memory that no recomputation
+can (a kernel's scratch buffer, partial weight gradients, gradients waiting for a sum or for
+the optimizer) or time it can spend (batch products run as one), and because they run before
 profiling, the planner sees what they freed.
 
 ``rematerialize`` chains the pieces of ``remat``: a cost graph calibrated to what TF's executor
@@ -34,7 +35,7 @@ __all__ = ["PLANNERS", "BASELINE_PLANNERS", "GRAPH_PASSES", "BudgetError", "plan
 
 # The passes before profiling, in order; each is item -> (item, JSON-ready record with
 # "changed").
-GRAPH_PASSES = ("conv_grad_kernels", "grad_accumulation", "early_updates")
+GRAPH_PASSES = ("conv_grad_kernels", "flat_matmuls", "grad_accumulation", "early_updates")
 
 BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
 
@@ -68,9 +69,11 @@ def prepare_step(item: GraphItem, skip: "set[str] | frozenset[str]" = frozenset(
 
     from graphfit.remat.conv_grad_kernels import use_eigen_conv_gradients
     from graphfit.remat.early_updates import apply_updates_early
+    from graphfit.remat.flat_matmuls import flatten_shared_matmuls
     from graphfit.remat.grad_accumulation import accumulate_gradients
 
     passes = {"conv_grad_kernels": use_eigen_conv_gradients,
+              "flat_matmuls": flatten_shared_matmuls,
               "grad_accumulation": accumulate_gradients, "early_updates": apply_updates_early}
     records = {}
     for name in GRAPH_PASSES:
