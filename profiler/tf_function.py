@@ -385,6 +385,11 @@ def to_callable(item: GraphItem, original: FunctionItem | None = None
                      for name, handle in source.captures.items() if name.split(":")[0] in kept}
         input_map.update((name, tensor) for name, tensor in zip(source.data_inputs, data)
                          if name.split(":")[0] in kept)
+        # A pass may order an op after a data input (remat.rewrite holds a floating event
+        # for every producer it reads): without this remap the imported placeholder would
+        # have to run, fed by nothing.
+        input_map.update({f"^{name.split(':')[0]}": tensor
+                          for name, tensor in list(input_map.items())})
         loss, train_op = tf.compat.v1.import_graph_def(
             graph_def, input_map=input_map, return_elements=[item.loss, item.train_op],
             name=source.name or "step")

@@ -118,6 +118,25 @@ def test_callable_trains_the_keras_model_like_the_original_step(optimizer):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_callable_runs_a_step_whose_ops_wait_for_its_data_inputs(traced):
+    """Control edges from a data placeholder and from a captured handle (as the rewrite's
+    floating events get them) are remapped like the data edges: nothing is left to feed."""
+    model, opt, train_step, item = traced
+    graph_def = item.graph.as_graph_def()
+    x, handle = item.data_inputs[0].split(":")[0], next(iter(item.captures)).split(":")[0]
+    loss_op = item.loss.split(":")[0]
+    for node in graph_def.node:
+        if node.name == loss_op:
+            node.input.extend([f"^{x}", f"^{handle}"])
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    before = _state(model, opt)
+    loss = to_callable(item.with_graph(graph), item)(*_batch(3))
+    assert np.isfinite(loss.numpy())
+    assert any(not np.array_equal(a, b) for a, b in zip(_state(model, opt), before))
+
+
 def test_rematerialized_step_trains_the_keras_model_like_the_original():
     """A hand-made plan recomputes the first layer (MatMul, BiasAdd, Relu) right before the
     backward pass reads it; the rewritten step must train the model to identical weights."""
