@@ -8,7 +8,10 @@ less leaves more for the placer to spread, at the price of transfers or of not f
 
 1. for each remat budget (a fraction of the measured single-device peak, from no
    rematerialization down to the planner's minimum), plan with a DTR planner on the
-   calibrated planning graph (``remat.tf_memory.MemoryModel.plan_graph``);
+   calibrated planning graph (``remat.tf_memory.MemoryModel.plan_graph``) of the traced order
+   and of that order with its backward pass reordered, each plan filled into the room TF's
+   peak leaves below the budget, and keep the cheaper (``remat.pipeline.cheapest_plan``, as
+   ``remat.rematerialize`` plans);
 2. unroll the plan into the graph the rewritten step will run (``remat.recompute_graph``);
 3. place it with each placer (``baechi.place``: m-ETF, m-TOPO, ...) under every device's limit;
    the placer's liveness model replays each device's memory over the simulated step;
@@ -41,7 +44,7 @@ from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place import Placement, place
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.progress import progress_bar
-from graphfit.remat.pipeline import BudgetError, plan_for_budget
+from graphfit.remat.pipeline import BudgetError, cheapest_plan, planning_orders
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.recompute_graph import RecomputeGraph, clone_name, recompute_graph
 
@@ -69,7 +72,8 @@ class Option:
         peak_bytes: simulated peak per device.
         remat_peak_bytes, overhead, num_recomputes: the remat plan's single-device peak
             (TF-calibrated), compute multiple and recomputations.
-        plan, unrolled, placement: the objects behind the numbers (not serialized).
+        model, plan, unrolled, placement: the objects behind the numbers (not serialized):
+            the memory model of the order planned (or placed), its plan, the plan unrolled.
     """
 
     kind: str
@@ -83,6 +87,7 @@ class Option:
     remat_peak_bytes: int | None = None
     overhead: float = 1.0
     num_recomputes: int = 0
+    model: Any = dataclasses.field(default=None, repr=False)
     plan: RematPlan | None = dataclasses.field(default=None, repr=False)
     unrolled: RecomputeGraph | None = dataclasses.field(default=None, repr=False)
     placement: Placement | None = dataclasses.field(default=None, repr=False)
@@ -94,7 +99,7 @@ class Option:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("plan", "unrolled", "placement")}
+                if k not in ("model", "plan", "unrolled", "placement")}
 
 
 @dataclasses.dataclass
@@ -158,18 +163,16 @@ def _short(error: Exception) -> str:
     return str(error).split(". ")[0]
 
 
-def _plan(model, budget_bytes: int | None, heuristic: str, overhead_limit: float,
+def _plan(models, budget_bytes: int | None, heuristic: str, overhead_limit: float,
           loss: str | None, option: Option) -> bool:
-    """Fill ``option``'s plan and remat numbers; ``False`` (with a reason) when none fits."""
-    from graphfit.remat.tf_memory import tf_peak_bytes
-
+    """Fill ``option``'s model, plan (the cheapest of ``models``' orders; its peak in TF's
+    accounting) and remat numbers; ``False`` (with a reason) when none fits."""
     try:
-        plan = plan_for_budget(model.plan_graph, budget_bytes, heuristic, overhead_limit, loss)
+        option.model, plan = cheapest_plan(models, budget_bytes, heuristic, overhead_limit,
+                                           loss)
     except BudgetError as error:
         option.reason = _short(error)
         return False
-    plan.stats["replay_peak_bytes"] = plan.peak_bytes
-    plan.peak_bytes = tf_peak_bytes(model, plan)
     option.plan, option.remat_peak_bytes = plan, int(plan.peak_bytes)
     option.overhead, option.num_recomputes = plan.overhead, plan.num_recomputes
     return True
@@ -224,17 +227,18 @@ def _place(graph, devices: DeviceSet, option: Option, place_options: dict) -> No
     option.peak_bytes = placement.peak_bytes.tolist()
 
 
-def _joint_options(model, devices, baseline_peak_bytes, ratio, methods, heuristic,
+def _joint_options(models, devices, baseline_peak_bytes, ratio, methods, heuristic,
                    overhead_limit, loss, place_options) -> list[Option]:
     budget = int(ratio * baseline_peak_bytes)
     options = [Option("joint", ratio, budget, method) for method in methods]
-    if not _plan(model, budget, heuristic, overhead_limit, loss, options[0]):
+    if not _plan(models, budget, heuristic, overhead_limit, loss, options[0]):
         for option in options[1:]:
             option.reason = options[0].reason
         return options
+    model = options[0].model
     unrolled = recompute_graph(model.plan_graph, options[0].plan, loss)
     for option in options:
-        option.plan, option.unrolled = options[0].plan, unrolled
+        option.model, option.plan, option.unrolled = model, options[0].plan, unrolled
         option.remat_peak_bytes, option.overhead = options[0].remat_peak_bytes, options[0].overhead
         option.num_recomputes = options[0].num_recomputes
         _place(unrolled.graph, devices, option, place_options)
@@ -246,7 +250,7 @@ def _best(options: Sequence[Option]) -> Option | None:
     return min(fitting, key=lambda o: (o.makespan_us, o.num_recomputes), default=None)
 
 
-def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None = None,
+def search(models, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None = None,
            ratios: Sequence[float] = DEFAULT_RATIOS, methods: Sequence[str] = DEFAULT_METHODS,
            heuristic: str = "dtr", overhead_limit: float = 2.0,
            place_options: dict[str, Any] | None = None, refine_steps: int = REFINE_STEPS,
@@ -254,7 +258,9 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
     """Search remat budgets and placers together for the fastest step that fits every device.
 
     Parameters:
-        model: the step's ``remat.tf_memory.MemoryModel`` (calibrated cost graphs).
+        models: the step's ``remat.tf_memory.MemoryModel`` (calibrated cost graphs), or a
+            list of them, one per order to plan (``remat.pipeline.planning_orders``; the
+            first is placed as it is for the place-only option).
         devices: the devices, their memory limits and link costs.
         baseline_peak_bytes: the step's measured single-device peak (ratios refer to it).
         loss: the loss tensor's name (kept resident; where the forward pass ends).
@@ -278,7 +284,8 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
         raise ValueError(f"ratios must lie in (0, 1] and methods be given; got ratios "
                          f"{ratios} and methods {list(methods)}")
     place_options = {k: v for k, v in (place_options or {}).items() if k != "method"}
-    args = (model, devices, baseline_peak_bytes)
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
+    args = (models, devices, baseline_peak_bytes)
     rest = (methods, heuristic, overhead_limit, loss, place_options)
     options: list[Option] = []
     for ratio in progress_bar(ratios, "joint search", enabled=progress):
@@ -298,9 +305,9 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
             low, high = (middle, high) if tried[0].fits else (low, middle)
         best = _best(options)
 
-    alone = [Option("place_only", None, None, method) for method in methods]
+    alone = [Option("place_only", None, None, method, model=models[0]) for method in methods]
     for option in alone:
-        _place(model.plan_graph, devices, option, place_options)
+        _place(models[0].plan_graph, devices, option, place_options)
     place_only = _best(alone) or alone[0]
     # Placing the step as it is needs no rewrite, hence none of its ordering edges (which
     # serialise the backward pass across devices): it competes with the searched options.
@@ -308,7 +315,7 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
 
     smallest = int(devices.memory_bytes.min())
     remat_only = Option("remat_only", smallest / baseline_peak_bytes, smallest, None)
-    if _plan(model, smallest, heuristic, overhead_limit, loss, remat_only):
+    if _plan(models, smallest, heuristic, overhead_limit, loss, remat_only):
         remat_only.fits = remat_only.remat_peak_bytes <= smallest
         remat_only.makespan_us = float(remat_only.plan.compute_us)
         remat_only.peak_bytes = [remat_only.remat_peak_bytes]
@@ -316,9 +323,11 @@ def search(model, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None
     return JointSearch(options, best, place_only, remat_only, int(baseline_peak_bytes), devices)
 
 
-def _node_ops(model, option: Option) -> list[list[str]]:
+def _node_ops(option: Option) -> list[list[str]]:
     """Per node of the winner's placed graph, its TF ops in execution order: the node's
-    planning-graph chain, named as ``remat.rewrite`` names the clones."""
+    planning-graph chain (of the winner's model), named as ``remat.rewrite`` names the
+    clones."""
+    model = option.model
     cost_names = model.cost_graph.names
     source = (option.unrolled.source if option.unrolled is not None else
               [(op, 0) for op in range(model.plan_graph.num_ops)])
@@ -326,17 +335,17 @@ def _node_ops(model, option: Option) -> list[list[str]]:
              for m in model.members[op]] for op, version in source]
 
 
-def _op_devices(model, option: Option) -> dict[str, str]:
+def _op_devices(option: Option) -> dict[str, str]:
     """TF op name -> device of the winner."""
     names = option.placement.devices.names
     return {name: names[int(option.placement.device_index[node])]
-            for node, ops in enumerate(_node_ops(model, option)) for name in ops}
+            for node, ops in enumerate(_node_ops(option)) for name in ops}
 
 
-def _op_ordering(model, option: Option) -> list[tuple[str, str]]:
+def _op_ordering(option: Option) -> list[tuple[str, str]]:
     """The winner's ``Placement.memory_order()`` over TF ops: a node ends with its last op
     and starts with its first."""
-    nodes = _node_ops(model, option)
+    nodes = _node_ops(option)
     index = {name: k for k, name in enumerate(option.placement.graph.names)}
     return [(nodes[index[a]][-1], nodes[index[b]][0])
             for a, b in option.placement.memory_order()]
@@ -389,8 +398,9 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
     model = tf_memory_model(item, baseline.profile)
     say(f"joint: single-device peak {baseline.peak_bytes / 2**20:.1f} MiB; searching "
         f"{len(ratios)} remat budgets x {len(methods)} placers over {len(devices)} devices")
-    found = search(model, devices, baseline.peak_bytes, item.loss, ratios, methods, heuristic,
-                   overhead_limit, place_options, progress=progress is not None)
+    found = search(planning_orders(item, [model]), devices, baseline.peak_bytes, item.loss,
+                   ratios, methods, heuristic, overhead_limit, place_options,
+                   progress=progress is not None)
     searched_s = time.perf_counter() - began
     if found.winner is None:
         raise PlacementError(f"no remat budget and placement fit the devices: "
@@ -399,12 +409,12 @@ def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = D
     say(f"joint: {found.explanation()}")
     expanded, rewritten = None, item
     if winner.plan is not None:
-        expanded = expand_plan(model, winner.plan)
+        expanded = expand_plan(winner.model, winner.plan)
         expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
-        expanded.stats["recomputed_ops"] = expanded.recomputed_ops(model.cost_graph)
-        rewritten = rewrite(item, model.cost_graph, expanded)
-    ordering = _op_ordering(model, winner)
-    placed = apply_placement(rewritten, _op_devices(model, winner), ordering=ordering)
+        expanded.stats["recomputed_ops"] = expanded.recomputed_ops(winner.model.cost_graph)
+        rewritten = rewrite(item, winner.model.cost_graph, expanded)
+    ordering = _op_ordering(winner)
+    placed = apply_placement(rewritten, _op_devices(winner), ordering=ordering)
     report: dict[str, Any] = {"plan": winner.placement.summary(),
                               "planned_peak_bytes": dict(zip(devices.names, winner.peak_bytes))}
     if verify:

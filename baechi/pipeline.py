@@ -58,7 +58,7 @@ PASSES = ("conv_grad_kernels", "flat_matmuls", "grad_accumulation", "early_updat
 PEAK_TOLERANCE = 0.05
 MAX_PLAN_ROUNDS = 3
 # Memory models (traced orders of the step, built once; every round plans on them all)
-# whose cheapest plan is kept (``remat.pipeline._cheapest_plan``): eight orders of a Keras
+# whose cheapest plan is kept (``remat.pipeline.cheapest_plan``): eight orders of a Keras
 # attention step planned 1.19-1.52 at 0.5 of its peak (2026-12-05).
 PLAN_ORDERS = 6
 

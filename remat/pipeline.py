@@ -30,8 +30,9 @@ if TYPE_CHECKING:   # both import TF; annotations only
     from graphfit.remat.step_time import StepTraces
     from graphfit.remat.tf_memory import MemoryModel
 
-__all__ = ["PLANNERS", "BASELINE_PLANNERS", "GRAPH_PASSES", "BudgetError", "plan_for_budget",
-           "prepare_step", "rematerialize", "resident_outputs"]
+__all__ = ["PLANNERS", "BASELINE_PLANNERS", "GRAPH_PASSES", "BudgetError", "cheapest_plan",
+           "plan_for_budget", "planning_orders", "prepare_step", "rematerialize",
+           "resident_outputs"]
 
 # The passes before profiling, in order; each is item -> (item, JSON-ready record with
 # "changed").
@@ -211,8 +212,8 @@ def _plan_filling_budget(model: "MemoryModel", budget_bytes: int, heuristic: str
                                stats={**best.stats, "replay_peak_bytes": best.peak_bytes})
 
 
-def _cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: str,
-                   overhead_limit: float, loss: str) -> "tuple[MemoryModel, RematPlan]":
+def cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: str,
+                  overhead_limit: float, loss: str) -> "tuple[MemoryModel, RematPlan]":
     """The model whose plan (``_plan_filling_budget``) recomputes least, and that plan;
     ``stats["orders"]`` records each model's overhead (``None``: no plan).
 
@@ -240,6 +241,14 @@ def _cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: st
         raise min(errors, key=lambda error: error.minimum_bytes)
     best[1].stats["orders"] = overheads
     return best
+
+
+def planning_orders(item: GraphItem, models: "list[MemoryModel]") -> "list[MemoryModel]":
+    """Each traced order of ``models`` as it ran and with its backward pass reordered
+    (``remat.backward_order``), alternately: the candidates ``cheapest_plan`` chooses from."""
+    from graphfit.remat.backward_order import reorder_backward
+
+    return [m for model in models for m in (model, reorder_backward(item, model))]
 
 
 def rematerialize(item: GraphItem,
@@ -292,7 +301,6 @@ def rematerialize(item: GraphItem,
         Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021.
     """
     from graphfit.remat import baselines
-    from graphfit.remat.backward_order import reorder_backward
     from graphfit.remat.rewrite import rewrite
     from graphfit.remat.side_by_side import expanded_positions, floating_events
     from graphfit.remat.step_time import predict_step_time
@@ -315,10 +323,8 @@ def rematerialize(item: GraphItem,
         baseline_bytes = baselines.checkpoint_all(models[0].plan_graph).peak_bytes
     if budget_bytes is None:
         budget_bytes = int(budget_ratio * baseline_bytes)
-    # Each traced order as it ran and with its backward pass reordered, alternately.
-    candidates = [m for model in models for m in (model, reorder_backward(item, model))]
-    model, planned = _cheapest_plan(candidates, budget_bytes, heuristic, overhead_limit,
-                                    item.loss)
+    model, planned = cheapest_plan(planning_orders(item, models), budget_bytes, heuristic,
+                                   overhead_limit, item.loss)
     # Events float only where the bound stays within the predicted peak (TF's accounting,
     # below the replay's wherever TF reuses a buffer).
     floats = (floating_events(model.plan_graph, planned, planned.peak_bytes)
