@@ -205,3 +205,20 @@ def test_placed_step_with_its_memory_order_runs_within_the_limits():
     for device in place["devices"]:
         assert place["measured_peak_bytes"][device] <= \
             place["limit_bytes"][device] * (1 + PEAK_TOLERANCE)
+
+
+def test_search_plans_every_order_it_is_given_and_keeps_the_cheapest(chain):
+    """Each budget is planned on every memory model (an order of the step), as
+    ``remat.rematerialize`` plans; the option remembers the model its plan belongs to."""
+    graph, model = chain
+    twin = MemoryModel(graph, graph, [[i] for i in range(graph.num_ops)])
+    peak = checkpoint_all(graph).peak_bytes
+    devices = DeviceSet.uniform([f"/device:CPU:{i}" for i in range(4)], int(0.3 * peak),
+                                "0.0001754,134")
+    found = search([model, twin], devices, peak, "loss:0", ratios=(0.6, 0.5), progress=False)
+    planned = [o for o in found.options if o.plan is not None]
+    assert planned
+    for option in planned:
+        assert len(option.plan.stats["orders"]) == 2 and option.model in (model, twin)
+        cheapest = min(o for o in option.plan.stats["orders"] if o is not None)
+        assert option.overhead == pytest.approx(cheapest, abs=1e-4)     # orders are rounded
