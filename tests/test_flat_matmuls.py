@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
+from graphfit.models.training import build_training_step
 from graphfit.profiler.step_compare import compare_steps, compare_weights
 from graphfit.remat.flat_matmuls import flatten_shared_matmuls
 
@@ -12,9 +13,7 @@ from graphfit.remat.flat_matmuls import flatten_shared_matmuls
 def _sequence_step(batch: "int | None" = 4) -> GraphItem:
     """Two per-position projections of a [batch, 8, 16] sequence (as Keras's ``EinsumDense``
     emits them), a product of two per-example tensors, trained by Adam."""
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.set_random_seed(0)
+    def forward(rng: np.random.Generator):
         x = tf.compat.v1.placeholder(tf.float32, [batch, 8, 16], name="x")
         init = tf.compat.v1.random_normal_initializer(0, 0.3)
         w1 = tf.compat.v1.get_variable("w1", [16, 12], initializer=init, use_resource=True)
@@ -22,14 +21,11 @@ def _sequence_step(batch: "int | None" = 4) -> GraphItem:
         h = tf.nn.relu(tf.linalg.matmul(x, w1, name="project"))
         y = tf.linalg.matmul(h, w2, name="back")
         scores = tf.linalg.matmul(y, x, adjoint_b=True, name="scores")   # [batch, 8, 8]
-        loss = tf.identity(tf.reduce_sum(scores * scores) + tf.reduce_sum(y), name="loss")
-        gradients = tf.compat.v1.gradients(loss, [w1, w2])
-        train = tf.compat.v1.train.AdamOptimizer(1e-2).apply_gradients(
-            zip(gradients, [w1, w2]), name="train_op")
-        initializer = tf.compat.v1.global_variables_initializer()
-    feed = np.random.default_rng(0).standard_normal((batch or 4, 8, 16), dtype=np.float32)
-    return GraphItem(graph, train.name, loss.name, [g.name for g in gradients],
-                     initializer.name, {"x:0": feed}, name="sequence")
+        loss = tf.reduce_sum(scores * scores) + tf.reduce_sum(y)
+        return loss, {"x:0": rng.standard_normal((batch or 4, 8, 16), dtype=np.float32)}
+
+    return build_training_step("sequence", {"optimizer": "adam", "learning_rate": 1e-2,
+                                            "seed": 0}, forward)
 
 
 def test_shared_matrix_products_and_their_weight_gradients_become_single_products():
