@@ -29,11 +29,33 @@ input, filter, stride        default                    ``eigen_tensor``
 16x64²x3, 7x7x3x32, 2        7.9, 24.1 | 6.2, 0.6       33.9, 0 | 43.2, 0
 ===========================  =========================  =========================
 
-Both agree with a float64 reference to 1-8e-7 (relative). So the pass gives the Eigen kernel
-(a ``_kernel`` attribute, as ``tf.Graph._kernel_label_map`` sets it) to every convolution
-gradient of stride 1 and no dilation: no temporary, and as fast or faster except for the filter
-gradient of a layer with very few input channels (+1.2 ms on the 3-channel input above).
-Strided ones keep the default kernels, 1.5-7x faster there, and their buffers.
+Both agree with a float64 reference to 1-8e-7 (relative). Measured again on 2026-12-05 at
+11:00 (same machine, one op per session, fed inputs), the filter gradients of 1x1
+(pointwise) convolutions and of a 3-channel input were slower on the Eigen kernel, and the
+1x1x64x256 row above did not reproduce (ms and temporary MiB, filter | input gradient):
+
+===========================  =========================  =========================
+input, filter, stride        default                    ``eigen_tensor``
+===========================  =========================  =========================
+32x32²x32, 1x1x32x32, 1      4.2-4.9, 14.9 | 1.9, 14.9  3.4-3.9, 0 | 2.2, 0
+32x16²x32, 1x1x32x64, 1      1.4-1.5, 9.2 | 0.9, 9.2    2.1-2.3, 0 | 1.0, 0
+32x16²x64, 1x1x64x128, 1     2.4-3.6, 8.6 | 2.1, 8.6    4.7-5.7, 0 | 1.5, 0
+32x8²x128, 1x1x128x128, 1    1.2-1.6, 7.5 | 1.2, 7.5    1.3-1.7, 0 | 1.0, 0
+8x64²x64, 1x1x64x256, 1      41-47, 6.0 | 42.9, 1.0     75-78, 0 | 40.2, 0
+32x32²x3, 3x3x3x32, 1        2.2-2.6, 13.6 | 2.6, 13.6  5.3-5.9, 0 | 2.8, 0
+32x32²x32, 3x3x32x32, 1      12.5-13.6, 27.0 | 10.4, 1.1  9.7-10.7, 0 | 5.7, 0
+===========================  =========================  =========================
+
+So the pass gives the Eigen kernel (a ``_kernel`` attribute, as
+``tf.Graph._kernel_label_map`` sets it) to every convolution gradient of stride 1 and no
+dilation, which frees every such temporary (6-27 MiB each above): the gradients of 3x3
+convolutions over 32 channels run faster (0.55-0.86x the default's time), those of 1x1
+convolutions and of a 3-channel input are mixed: input gradients 0.7-1.2x, filter gradients
+0.8-1.8x, and 2.3x for the 3-channel filter gradient. That is memory bought
+with time, without asking the planner (the Keras MobileNet-style step's filter gradients took
+19-25 ms of op time against the user's 13 ms, 2026-12-05): choosing per op, by what the budget
+needs, is not built. Strided gradients keep the default kernels, 1.5-7x faster there, and
+their buffers.
 
 Skipped with oneDNN on: its layout pass replaces both ops with its own kernels.
 Postconditions: the rewritten graph imports and keeps every node, name and edge.
