@@ -98,8 +98,8 @@ class Option:
         return f"{budget}, {where}"
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("model", "plan", "unrolled", "placement")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("model", "plan", "unrolled", "placement")}
 
 
 @dataclasses.dataclass

@@ -49,11 +49,11 @@ def _const(name: str, values: list[int], device: str) -> tf.compat.v1.NodeDef:
     return node
 
 
-def _reshape(name: str, tensor: str, shape: list[int], like: tf.compat.v1.NodeDef,
-             controls: list[str] = ()) -> list[tf.compat.v1.NodeDef]:
+def _reshape(name: str, tensor: str, shape: list[int], like: tf.compat.v1.NodeDef
+             ) -> list[tf.compat.v1.NodeDef]:
     """``Reshape(tensor, shape)`` named ``name``, and its shape constant."""
     node = tf.compat.v1.NodeDef(name=name, op="Reshape", device=like.device,
-                                input=[tensor, f"{name}/shape", *controls])
+                                input=[tensor, f"{name}/shape"])
     node.attr["T"].CopyFrom(like.attr["T"])
     node.attr["Tshape"].type = tf.int32.as_datatype_enum
     return [_const(f"{name}/shape", shape, like.device), node]
