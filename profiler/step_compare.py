@@ -57,7 +57,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
-from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL, has_two_kernels, uses_eigen
+from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL, takes_eigen_kernel, uses_eigen
 from graphfit.profiler.session import make_session, session_config
 from graphfit.profiler.trace import step_fetches
 
@@ -189,7 +189,7 @@ def _step_ops(item: GraphItem) -> list[tf.Operation]:
 
 def unfused_twin(item: GraphItem) -> tuple[GraphItem, tf.compat.v1.ConfigProto]:
     """``item`` in which every reader of a tensor waits (control edge) for the reader before
-    it, each convolution gradient with two CPU kernels on the other one
+    it, each stride-1 convolution gradient on the other of its two CPU kernels
     (``profiler.conv_kernels``), and the project's session configuration with Grappler's
     remapper off: the same arithmetic with TF's fusions left apart and the other kernels
     (module docstring), so its step differs from ``item``'s only by the rounding of the
@@ -223,7 +223,7 @@ def unfused_twin(item: GraphItem) -> tuple[GraphItem, tf.compat.v1.ConfigProto]:
             if f"^{earlier}" not in nodes[later].input:
                 nodes[later].input.append(f"^{earlier}")
     for node in graph_def.node:
-        if has_two_kernels(node):
+        if takes_eigen_kernel(node):
             if uses_eigen(node):
                 del node.attr["_kernel"]
             else:

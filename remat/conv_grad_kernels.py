@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.conv_kernels import (CONV_GRADIENT_OP_TYPES, EIGEN_KERNEL_LABEL,
-                                            has_two_kernels)
+                                            takes_eigen_kernel)
 from graphfit.profiler.session import onednn_enabled
 from graphfit.remat.graph_def_walk import rebuild
 
@@ -87,7 +87,7 @@ def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
     graph_def = item.graph.as_graph_def()
     for node in graph_def.node:
         if node.op in CONV_GRADIENT_OP_TYPES and "_kernel" not in node.attr:
-            if has_two_kernels(node):
+            if takes_eigen_kernel(node):
                 node.attr["_kernel"].s = EIGEN_KERNEL_LABEL
                 record["relabelled"] += 1
             else:

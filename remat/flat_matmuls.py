@@ -70,8 +70,7 @@ def _matmul(name: str, a: str, b: str, like: tf.compat.v1.NodeDef, transpose_a: 
 
 
 def _known(tensor: tf.Tensor) -> list[int] | None:
-    shape = tensor.shape
-    return shape.as_list() if shape.rank is not None and shape.is_fully_defined() else None
+    return tensor.shape.as_list() if tensor.shape.is_fully_defined() else None
 
 
 def _readers(graph: tf.Graph) -> dict[str, list[tf.Operation]]:
