@@ -283,7 +283,7 @@ def rematerialize(item: GraphItem,
         step_traces: traces of the step and of the user's
             (``remat.step_time.trace_for_prediction``):
             predict the rewritten step's wall time against the user's, into
-            ``plan.stats["step_time"]`` (floating events counted in the chain:
+            ``plan.stats["step_time"]`` (the rewritten graph replayed:
             ``remat.step_time``).
 
     Returns:
@@ -303,8 +303,8 @@ def rematerialize(item: GraphItem,
     from graphfit.remat import baselines
     from graphfit.remat.rewrite import rewrite
     from graphfit.remat.side_by_side import expanded_positions, floating_events
-    from graphfit.remat.step_time import predict_step_time
-    from graphfit.remat.tf_memory import MemoryModel, expand_plan, tf_memory_model
+    from graphfit.remat.step_time import chain_head, predict_step_time, step_dependencies
+    from graphfit.remat.tf_memory import MemoryModel, expand_plan, step_item, tf_memory_model
 
     if (budget_bytes is None) == (budget_ratio is None):
         raise ArgumentError("give exactly one of budget_bytes and budget_ratio")
@@ -336,7 +336,7 @@ def rematerialize(item: GraphItem,
     rewritten = rewrite(item, model.cost_graph, plan,
                         floating=expanded_positions(model.members, planned, floats))
     if step_traces is not None:
+        head = chain_head(model.cost_graph.names, plan, rewritten.config["remat"]["pinned_from"])
         plan.stats["step_time"] = predict_step_time(
-            model.cost_graph.names, plan, rewritten.config["remat"]["pinned_from"],
-            *step_traces).report()
+            step_dependencies(step_item(rewritten)), head, step_traces).report()
     return rewritten, plan

@@ -5,39 +5,28 @@ at the profiled op times (what DTR's paper reports). On a CPU that is not what t
 TF runs independent ops side by side on its inter-op threads (on this 2-core machine the op
 times of the zoo's resnet preset sum to 1.7-1.8x its step's wall time), and ``remat.rewrite``
 chains the backward pass in plan order from ``pinned_from`` on (its ``"tail"`` pinning), so
-those ops run one at a time. The rewritten step then costs::
+those ops run one at a time, but for the events ``remat.side_by_side`` lets float beside the
+chain. The prediction replays the rewritten graph itself (``remat.executor_model``):
 
-    forward + gap * sum(serial time of each pinned event's op, recomputes included)
+- each op (a clone: its original) takes its time in the serial chain (``serial_chain``): the
+  step with every op chained in its traced order by the rewrite and nothing recomputed, so ops
+  run one at a time, each with the whole intra-op pool, in the same runtime and configuration
+  as the rewritten step's chain. Ops Grappler's remapper ran inside their reader, or removed,
+  cost 0 (``remat.remapper_fusions`` keeps clones fused the same way);
+- the replay's ``sharing`` (how much ops running together slow each other) is fitted once per
+  step, so that the step before the rewrite replays in its measured (traced) wall time;
+- the replayed rewritten step splits at the chain's start into a forward part, which runs as
+  the step before the rewrite does, and the chain. Each part turns from traced into untraced
+  time by its own kind of step: tracing costs time per op, more where ops run one at a time
+  (a Keras depthwise step traced at 1.39x its untraced wall as it runs and 1.48x as the serial
+  chain; the zoo mlp at 1.04x and 1.14x).
 
-- ``forward``: when the chain can start in the original step as the user runs it (ops side
-  by side): the start of the first pinned event's op, or the end of the event before it if
-  that is later. The rewrite leaves everything before it unpinned.
-- the serial time of an op: its duration in the serial chain (``serial_chain``): the step
-  with every op chained in its traced order by the rewrite itself and nothing recomputed, so
-  ops run one at a time, each with the whole intra-op pool, in the same runtime (TF's global
-  thread pools) and under the same configuration as the rewritten step's chain. Ops that
-  Grappler's remapper ran inside their reader cost 0 (their reader's node carries the time;
-  ``remat.remapper_fusions`` keeps clones fused the same way).
-- ``gap``: the serial chain's wall time over the sum of its op times (the executor's time
-  between ops, and tracing's: every time is of untraced steps, ``profiler.op_intervals``).
-
-A session of its own with one inter-op thread (``profiler.session.serial_config``) runs ops
-one at a time too, but not as the chain runs: its untraced walls on the zoo's resnet preset
-jumped between two levels, 120-180 and 240-350 ms, within one call and from process to
-process, while the chained step's stayed at 114-167 ms (2026-12-05), and the prediction moved
-with them (resnet 1.63 and 1.78 of the user's step against 1.13-1.17 measured).
-
-Where the rewrite lets events float beside the chain (``remat.side_by_side``; in
-``baechi.optimize`` when it verifies), the prediction still counts them in the chain, one after
-the other, so it over-predicts a step where floating gains much (``tools.bench_side_by_side``,
-2026-12-05: the DenseNet-style step predicted 1.30 of the user's step, measured 1.10; Keras
-attention 1.54 and 1.40; the five other steps measured 0.89-1.11 of their prediction).
-Crediting the earlier two-event window's overlap with the op times of the step as it runs
-(the ops that overlapped there) was tried and predicted 14-18% too little or too much on three
-of six models. Crediting floating events at the user's backward pace (the user's backward
-wall over the serial chain's, 0.76-0.93) was tried with the serial chain (``tools.
-bench_grappler --quick``, 2026-12-05 07:15): within 10% on 4 of 6 models (attention measured
-1.16 of it, depthwise 1.11), against 5 of 6 for the same plans without it.
+Measured on 2026-12-06 (traces of the four steps side by side, plans at 0.5 of the peak,
+``/work``-free script kept out of the repository): the replay put the rewritten steps' traced
+walls within 1-4% of the measured ones, and the prediction against the user's step measured
+0.985-1.091 of it on six models (zoo mlp, transformer and resnet ``activations``, Keras
+attention, conv and depthwise), where the sum per regime gave 0.915-1.025 on the same traces,
+over-predicting most where events float (resnet 0.935, depthwise 0.915).
 
 Walls come from untraced steps of the three (the step as it runs, one op at a time, the user's)
 timed side by side, round by round: on a shared 2-core machine a 30 ms Keras step's wall moved
@@ -52,33 +41,40 @@ The prediction is compared with the measured step by ``baechi.pipeline`` (``veri
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
 from graphfit.profiler.session import step_config, user_config
+from graphfit.profiler.trace import step_fetches
 from graphfit.remat.baselines import checkpoint_all
-from graphfit.remat.plan import FREE, RematPlan
+from graphfit.remat.executor_model import fit_sharing, simulate_step
+from graphfit.remat.graph_def_walk import ancestors, split_input
+from graphfit.remat.plan import RECOMPUTE, RematPlan
+from graphfit.remat.recompute_graph import clone_name
 from graphfit.remat.rewrite import rewrite
 from graphfit.remat.tf_memory import MemoryModel, expand_plan, step_item, tf_memory_model
 
-__all__ = ["StepTimePrediction", "StepTraces", "predict_step_time", "serial_chain",
-           "trace_for_prediction"]
+__all__ = ["StepTimePrediction", "StepTraces", "chain_head", "predict_step_time", "serial_chain",
+           "step_dependencies", "trace_for_prediction"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTimePrediction:
-    """A predicted step time (µs, untraced) and its parts (module docstring). ``vs_user`` is
-    the median over rounds of the prediction over the user's step of the same round (walls
+    """A predicted step time (µs, untraced) and its parts (module docstring): the forward part
+    and the chain, each turned into untraced time by its kind of step. ``vs_user`` is the
+    median over rounds of the prediction over the user's step of the same round (walls
     measured side by side), not ``predicted_step_us / user_step_us`` of the medians."""
 
     user_step_us: float
     predicted_step_us: float
     forward_us: float
-    pinned_serial_us: float
-    serial_gap: float
+    chain_us: float
+    sharing: float
     vs_user: float
 
     def report(self) -> dict[str, float]:
@@ -86,33 +82,93 @@ class StepTimePrediction:
         return dataclasses.asdict(self)
 
 
+class StepTraces(NamedTuple):
+    """What a prediction reads: the step that was planned as it runs (``concurrent``) and as
+    its ``serial_chain`` (``serial``), the user's step (``user``; ``None``: ``concurrent``),
+    and the ``sharing`` that replays ``concurrent`` (``remat.executor_model``). They depend
+    on the steps only, not on the plan: trace once, predict for every plan of the same step."""
+
+    concurrent: StepIntervals
+    serial: StepIntervals
+    user: StepIntervals | None
+    sharing: float
+
+
+_CLONE_SUFFIX = re.compile(r"/remat_\d+(?=/|$)")     # remat.rewrite.clone_name's
+
+
 def _wall(step: dict[str, tuple[float, float]]) -> float:
     return max(end for _, end in step.values())
 
 
-def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int,
-                      concurrent: StepIntervals, serial: StepIntervals,
-                      user: StepIntervals | None = None) -> StepTimePrediction:
+def _median_wall(intervals: StepIntervals) -> float:
+    return statistics.median(_wall(step) for step in intervals.traced)
+
+
+def _gap(serial: StepIntervals) -> float:
+    """The serial chain's traced wall over its summed op times: the time between ops, which
+    the replay does not have."""
+    return _median_wall(serial) / max(statistics.median(
+        sum(end - start for start, end in step.values()) for step in serial.traced), 1e-9)
+
+
+def _durations(dependencies: Mapping[str, Sequence[str]], serial: StepIntervals
+               ) -> dict[str, float]:
+    """Each op's median time in the serial chain; a clone's (and a node the rewrite made for
+    it) is its original's."""
+    names = set().union(*serial.traced)
+    serial_us = {name: statistics.median(step[name][1] - step[name][0]
+                                         for step in serial.traced if name in step)
+                 for name in names}
+    return {op: serial_us.get(_CLONE_SUFFIX.sub("", op), 0.0) for op in dependencies}
+
+
+def _inter_op_threads() -> int:
+    """The inter-op threads TF gives a session by default: one per schedulable core."""
+    return len(os.sched_getaffinity(0))
+
+
+def step_dependencies(item: GraphItem) -> dict[str, list[str]]:
+    """Op -> the ops it waits for (data and control inputs), for every op one step of
+    ``item`` runs, in graph order: the input of ``remat.executor_model``."""
+    graph_def = item.graph.as_graph_def()
+    runs = ancestors(graph_def, step_fetches(item))
+    return {node.name: [split_input(name)[0] for name in node.input]
+            for node in graph_def.node if node.name in runs}
+
+
+def chain_head(op_names: Sequence[str], plan: RematPlan, pinned_from: int) -> str | None:
+    """The node of the plan's event at ``pinned_from`` (``config["remat"]["pinned_from"]`` of
+    the rewritten step): the op, or its clone if the event recomputes it. The rewrite makes it
+    wait for every event before it, so the chain starts there. ``None``: nothing is chained."""
+    if pinned_from >= len(plan.events):
+        return None
+    event = plan.events[pinned_from]
+    if event.kind != RECOMPUTE:
+        return op_names[event.index]
+    version = sum(1 for e in plan.events[:pinned_from + 1]
+                  if e.kind == RECOMPUTE and e.index == event.index)
+    return clone_name(op_names[event.index], version)
+
+
+def predict_step_time(dependencies: Mapping[str, Sequence[str]], head: str | None,
+                      traces: StepTraces) -> StepTimePrediction:
     """The rewritten step's time (module docstring).
 
     Parameters:
-        op_names: the names of the ops ``plan``'s events index (its cost graph's ``names``).
-        plan: the plan the rewrite lowered; ``pinned_from``: the position of its first
-            chained event (``config["remat"]["pinned_from"]`` of the rewritten step).
-        concurrent, serial: op intervals (``profiler.op_intervals``) of the step that was
-            planned, run as usual and one op at a time (``serial_chain``).
-        user: intervals of the user's own step, if it is another graph (default
-            ``concurrent``).
+        dependencies: the rewritten step's (``step_dependencies``).
+        head: the node the chain starts at (``chain_head``; ``None``: no chain).
+        traces: of the step that was planned and the user's (``trace_for_prediction``).
 
-    The traces give shares: the forward part's of the concurrent step's wall, the pinned ops'
-    of the serial step's summed op times. Each round of untraced walls (measured side by side,
-    so every round saw one load) turns them into a time: ``share * wall`` of its kind, over the
-    user's wall of that round.
+    Each round of untraced walls (measured side by side, so every round saw one load) turns
+    the replayed parts into time: the forward part at the untraced over traced wall of the
+    step as it runs, the chain at the serial chain's, over the user's wall of that round.
 
     Raises:
-        ValueError: no traced or untraced step, or untraced walls that are not of the same
-            rounds.
+        ValueError: no traced or untraced step, untraced walls that are not of the same
+            rounds, or a ``head`` the step does not run.
     """
+    concurrent, serial, user, sharing = traces
     user = user or concurrent
     walls = concurrent.untraced_wall_us, serial.untraced_wall_us, user.untraced_wall_us
     if not (concurrent.traced and serial.traced and walls[0]):
@@ -120,39 +176,21 @@ def predict_step_time(op_names: Sequence[str], plan: RematPlan, pinned_from: int
     if len({len(w) for w in walls}) != 1:
         raise ValueError(f"untraced walls of {[len(w) for w in walls]} rounds: measure the "
                          f"steps side by side (op_intervals of all of them at once)")
-    names = [op_names[e.index] if e.kind != FREE else None for e in plan.events]
-    serial_us = {name: statistics.median(step[name][1] - step[name][0]
-                                         for step in serial.traced if name in step)
-                 for name in set().union(*serial.traced)}
-    op_sum = max(statistics.median(sum(e - s for s, e in step.values())
-                                   for step in serial.traced), 1e-9)
-    pinned = [name for name in names[pinned_from:] if name is not None]
-    before = next((name for name in reversed(names[:pinned_from]) if name), None)
-
-    def chain_start(step: dict) -> float:
-        first = next((step[name][0] for name in pinned if name in step), _wall(step))
-        return max(first, step[before][1] if before in step else 0.0)
-
-    forward_share = (statistics.median(chain_start(step) for step in concurrent.traced) /
-                     statistics.median(_wall(step) for step in concurrent.traced))
-    pinned_us = sum(serial_us.get(name, 0.0) for name in pinned)
-    predicted = [forward_share * c + pinned_us / op_sum * s for c, s in zip(*walls[:2])]
+    replay = simulate_step(dependencies, _durations(dependencies, serial),
+                           _inter_op_threads(), sharing)
+    if head is not None and head not in replay.start_us:
+        raise ValueError(f"the chain's head {head!r} is not an op the step runs")
+    forward = replay.start_us[head] if head is not None else replay.wall_us
+    gap = _gap(serial)
+    forward_scale = gap * forward / _median_wall(concurrent)
+    chain_scale = gap * (replay.wall_us - forward) / _median_wall(serial)
+    predicted = [forward_scale * c + chain_scale * s for c, s in zip(*walls[:2])]
     return StepTimePrediction(
         user_step_us=statistics.median(walls[2]),
         predicted_step_us=statistics.median(predicted),
-        forward_us=forward_share * statistics.median(walls[0]),
-        pinned_serial_us=pinned_us, serial_gap=statistics.median(walls[1]) / op_sum,
+        forward_us=forward_scale * statistics.median(walls[0]),
+        chain_us=chain_scale * statistics.median(walls[1]), sharing=sharing,
         vs_user=statistics.median(p / u for p, u in zip(predicted, walls[2])))
-
-
-class StepTraces(NamedTuple):
-    """What a prediction reads: ``concurrent``, ``serial`` and ``user`` of
-    ``predict_step_time``. They depend on the steps only, not on the plan: trace once, predict
-    for every plan of the same step."""
-
-    concurrent: StepIntervals
-    serial: StepIntervals
-    user: StepIntervals | None
 
 
 def serial_chain(item: GraphItem, model: MemoryModel | None = None) -> GraphItem:
@@ -170,13 +208,18 @@ def trace_for_prediction(original: GraphItem, item: GraphItem, model: MemoryMode
                          ) -> StepTraces:
     """Trace ``item`` (the step a plan is made for: ``original`` after the graph passes) as it
     runs and as its ``serial_chain`` (by ``model``'s order, if given), and ``original`` as the
-    user runs it (TF's defaults), for ``predict_step_time(names, plan, pinned_from,
-    *traces)``: the untraced walls of all three side by side, at least ``rounds`` rounds and
-    ``min_seconds`` (``op_intervals``)."""
+    user runs it (TF's defaults), for ``predict_step_time``: the untraced walls of all three
+    side by side, at least ``rounds`` rounds and ``min_seconds`` (``op_intervals``); and fit
+    the replay's ``sharing`` to ``item``'s traced wall."""
     chain = serial_chain(item, model)
     steps = {"concurrent": (step_item(item), step_config(item)),
              "serial": (step_item(chain), step_config(chain))}
     if original is not item:
         steps["user"] = (step_item(original), user_config())
     intervals = op_intervals(steps, rounds, traced, min_seconds=min_seconds)
-    return StepTraces(intervals["concurrent"], intervals["serial"], intervals.get("user"))
+    dependencies = step_dependencies(step_item(item))
+    sharing = fit_sharing(dependencies, _durations(dependencies, intervals["serial"]),
+                          _inter_op_threads(),
+                          _median_wall(intervals["concurrent"]) / _gap(intervals["serial"]))
+    return StepTraces(intervals["concurrent"], intervals["serial"], intervals.get("user"),
+                      sharing)

@@ -1,5 +1,6 @@
-"""The step-time prediction of a rewritten step: forward as the user runs it, then the chained
-backward pass at serial op times (``remat.step_time``)."""
+"""The step-time prediction of a rewritten step: its graph replayed on the executor model
+(``remat.executor_model``) at serial op times, the forward part and the chain each turned into
+untraced time by its kind of step (``remat.step_time``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from graphfit import models
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
 from graphfit.profiler.session import serial_config, step_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
-from graphfit.remat.step_time import predict_step_time, serial_chain
+from graphfit.remat.step_time import (StepTraces, chain_head, predict_step_time, serial_chain,
+                                      step_dependencies, trace_for_prediction)
 from graphfit.remat.tf_memory import step_item
 
 
@@ -18,51 +20,50 @@ def _plan(events):
                      peak_bytes=0, baseline_compute_us=1.0, compute_us=1.0, method="hand")
 
 
-def test_forward_as_measured_then_the_chain_at_serial_times():
+def test_the_forward_part_as_the_step_runs_then_the_chain_at_serial_times():
+    # a, b side by side; the chain starts at c, recomputes a (its clone), ends with d.
     names = ["a", "b", "c", "d"]
-    # a, b run side by side; the chain starts at c, recomputes a, ends with d.
     plan = _plan([(COMPUTE, 0), (COMPUTE, 1), (COMPUTE, 2), (FREE, 0), (RECOMPUTE, 0),
                   (COMPUTE, 3)])
+    assert chain_head(names, plan, 2) == "c" and chain_head(names, plan, 4) == "a/remat_1"
+    assert chain_head(names, plan, len(plan.events)) is None
+    rewritten = {"a": [], "b": [], "c": ["a", "b"], "a/remat_1": ["c"],
+                 "d": ["a/remat_1", "c"]}
     # Traced steps take 1.5x the untraced ones.
     concurrent = StepIntervals([{"a": (0, 10), "b": (0, 12), "c": (12, 20), "d": (20, 30)}],
                                [20.0])
     # One at a time: 8 µs each, 2 µs of executor time after each op.
     serial = StepIntervals([{"a": (0, 8), "b": (10, 18), "c": (20, 28), "d": (30, 38)}],
                            [38 / 1.5])
-    prediction = predict_step_time(names, plan, 2, concurrent, serial)
-    assert prediction.forward_us == pytest.approx(12 / 1.5)  # c starts when b ends
-    assert prediction.pinned_serial_us == 24      # c, a again, d
-    assert prediction.serial_gap == pytest.approx(38 / 1.5 / 32)
-    assert prediction.predicted_step_us == pytest.approx((12 + 24 * 38 / 32) / 1.5)
+    # Free overlap: a and b in 8 µs, then c, a again and d one after the other.
+    prediction = predict_step_time(rewritten, "c", StepTraces(concurrent, serial, None, 0.0))
+    gap = 38 / 32
+    assert prediction.forward_us == pytest.approx(gap * 8 / 30 * 20)
+    assert prediction.chain_us == pytest.approx(gap * 24 / 38 * 38 / 1.5)
+    assert prediction.predicted_step_us == pytest.approx(prediction.forward_us +
+                                                         prediction.chain_us)
     assert prediction.vs_user == pytest.approx(prediction.predicted_step_us / 20)
-
-
-def test_ops_fused_into_their_reader_cost_nothing_and_another_user_step_is_the_reference():
-    names = ["matmul", "relu", "grad"]
-    plan = _plan([(COMPUTE, 0), (COMPUTE, 1), (COMPUTE, 2), (RECOMPUTE, 0), (RECOMPUTE, 1)])
-    concurrent = StepIntervals([{"relu": (0, 5), "grad": (5, 9)}], [9.0])  # matmul in relu
-    serial = StepIntervals([{"relu": (0, 5), "grad": (5, 9)}], [9.0])
-    user = StepIntervals([{"x": (0, 4), "y": (4, 20)}], [20.0])
-    prediction = predict_step_time(names, plan, 2, concurrent, serial, user)
-    assert prediction.pinned_serial_us == 4 + 5
-    assert prediction.user_step_us == 20
+    # Nothing chained: the whole step runs as the step before the rewrite does.
+    unchained = predict_step_time(rewritten, None, StepTraces(concurrent, serial, None, 0.0))
+    assert unchained.chain_us == 0 and unchained.forward_us == pytest.approx(gap * 32 / 30 * 20)
+    with pytest.raises(ValueError, match="'e' is not an op the step runs"):
+        predict_step_time(rewritten, "e", StepTraces(concurrent, serial, None, 0.0))
 
 
 def test_each_round_is_predicted_against_the_user_step_of_the_same_round():
     """A round in which the machine was twice as slow (every wall doubled) predicts the same
     ratio; a prediction from the medians of walls measured apart would not."""
-    names = ["a", "b"]
-    plan = _plan([(COMPUTE, 0), (COMPUTE, 1), (RECOMPUTE, 0)])
+    rewritten = {"a": [], "b": ["a"], "a/remat_1": ["b"]}
     concurrent = StepIntervals([{"a": (0, 10), "b": (10, 20)}], [20.0, 40.0, 44.0])
     serial = StepIntervals([{"a": (0, 10), "b": (10, 20)}], [20.0, 40.0, 44.0])
     user = StepIntervals([{"x": (0, 20)}], [20.0, 40.0, 22.0])
-    prediction = predict_step_time(names, plan, 1, concurrent, serial, user)
-    # forward: half the step; then b and a again, each half of the serial step's op times.
+    prediction = predict_step_time(rewritten, "b", StepTraces(concurrent, serial, user, 1.0))
+    # forward: half the step; then b and a again, each half of the serial step's walls.
     assert prediction.vs_user == pytest.approx(1.5)     # rounds 1.5, 1.5, 3.0
     assert prediction.predicted_step_us == pytest.approx(60.0)
     with pytest.raises(ValueError, match="side by side"):
-        predict_step_time(names, plan, 1, concurrent, serial,
-                          StepIntervals(user.traced, [20.0]))
+        predict_step_time(rewritten, "b", StepTraces(
+            concurrent, serial, StepIntervals(user.traced, [20.0]), 1.0))
 
 
 def test_the_serial_chain_and_the_serial_configuration_run_one_op_at_a_time():
@@ -86,3 +87,16 @@ def test_the_serial_chain_and_the_serial_configuration_run_one_op_at_a_time():
     assert max(one_at_a_time) <= 1.0
     assert min(overlap(step) for step in steps["default"].traced) > max(one_at_a_time)
     assert len(steps["chain"].untraced_wall_us) == 2 and min(steps["chain"].untraced_wall_us) > 0
+
+
+def test_the_fitted_replay_predicts_the_traced_step_itself():
+    """``trace_for_prediction`` fits the replay's sharing on the step's traced wall: the step
+    before the rewrite, predicted as if nothing were chained, comes out at its own untraced
+    wall time (unless the fit sat at an end of its range)."""
+    item = step_item(models.build("resnet", preset="tiny"))
+    traces = trace_for_prediction(item, item, rounds=2, traced=3)
+    dependencies = step_dependencies(item)
+    assert {item.loss.split(":")[0], item.train_op} <= set(dependencies)
+    itself = predict_step_time(dependencies, None, traces)
+    assert 0.0 < traces.sharing < 2.0
+    assert itself.vs_user == pytest.approx(1.0, rel=0.01)

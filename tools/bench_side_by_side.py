@@ -5,8 +5,7 @@ plan's peak (``remat.side_by_side``; what ``baechi.optimize`` tries when it veri
 Per model, one plan at 0.5 of the measured peak (``offline``, after the graph passes) is
 lowered both ways, and the two rewritten steps are timed side by side with the user's step
 (paired, interleaved rounds: ``profiler.paired_timing``), with their measured peaks and the
-step time ``remat.step_time`` predicts (the same for both: it counts floating events in the
-chain). The models: ``tools.bench_grappler``'s quick ones and ``tools.bench_reach``'s
+step time ``remat.step_time`` predicts for each (a replay of its own graph). The models: ``tools.bench_grappler``'s quick ones and ``tools.bench_reach``'s
 DenseNet-style step, whose many small ops leave a core idle in a chain.
 
     python -m graphfit.tools.bench_side_by_side
@@ -88,8 +87,10 @@ def _plot(rows: list[dict], path: str) -> None:
         axis.bar(x + shift, [m["median"] for m in measured], 0.4, label=f"{order}, measured",
                  yerr=[[m["median"] - m["q1"] for m in measured],
                        [m["q3"] - m["median"] for m in measured]])
-    axis.scatter(x, [r["strict"]["planned_step_vs_user"] for r in rows], color="black",
-                 zorder=3, label="predicted (remat.step_time)")
+    for shift, order, marker in ((-0.2, "strict", "o"), (0.2, "floating", "D")):
+        axis.scatter(x + shift, [r[order]["planned_step_vs_user"] for r in rows],
+                     color="black", marker=marker, zorder=3,
+                     label=f"{order}, predicted (remat.step_time)")
     axis.set_xticks(x, [r["model"] for r in rows], rotation=30, ha="right")
     axis.set_ylabel(f"step time / user's step, at {RATIO} of the peak")
     axis.legend(fontsize=8)
@@ -110,7 +111,8 @@ def main() -> None:
         print(f"{name:34s} user {r['user_step_ms']:7.1f} ms  strict "
               f"{r['strict']['measured_vs_user']['median']:.3f}  floating "
               f"{r['floating']['measured_vs_user']['median']:.3f}  predicted "
-              f"{r['strict']['planned_step_vs_user']:.3f}  peak/plan "
+              f"{r['strict']['planned_step_vs_user']:.3f} / "
+              f"{r['floating']['planned_step_vs_user']:.3f}  peak/plan "
               f"{r['strict']['measured_peak_vs_plan']:.3f} / "
               f"{r['floating']['measured_peak_vs_plan']:.3f}", flush=True)
     atomic_write_json(f"{RESULT}.json", {"ratio": RATIO, "load_average_before": load_before,
