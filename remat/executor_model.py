@@ -13,7 +13,7 @@ order they became ready, ties in graph order) with processor sharing: while ``k`
 progresses at ``1 / (1 + sharing * (k - 1))`` of its speed alone. ``sharing`` 0 is free
 overlap (ops that use one core each), 1 a fair split of the cores (ops that scale over all of
 them), above 1 ops that slow each other beyond that (memory bandwidth). ``fit_sharing`` finds
-the value that replays a measured step's wall time; a step's ops give 0.74-1.05 on this
+the value that replays a measured step's wall time; a step's ops give 0.73-1.05 on this
 machine class (2026-12-06: zoo mlp, transformer and resnet presets, Keras attention, conv and
 depthwise steps).
 """

@@ -21,12 +21,14 @@ chain. The prediction replays the rewritten graph itself (``remat.executor_model
   (a Keras depthwise step traced at 1.39x its untraced wall as it runs and 1.48x as the serial
   chain; the zoo mlp at 1.04x and 1.14x).
 
-Measured on 2026-12-06 (traces of the four steps side by side, plans at 0.5 of the peak,
-``/work``-free script kept out of the repository): the replay put the rewritten steps' traced
-walls within 1-4% of the measured ones, and the prediction against the user's step measured
-0.985-1.091 of it on six models (zoo mlp, transformer and resnet ``activations``, Keras
-attention, conv and depthwise), where the sum per regime gave 0.915-1.025 on the same traces,
-over-predicting most where events float (resnet 0.935, depthwise 0.915).
+Measured on 2026-12-06 on six models (zoo mlp, transformer and resnet ``activations``, Keras
+attention, conv and depthwise steps; plans at 0.5 of the peak), the user's step, the step as it
+runs, its serial chain and the rewritten step traced side by side in one process: the replay
+put the rewritten steps' traced walls within 6% of the measured ones, and measured / predicted
+was 0.978-1.045 on these traces. Inside ``baechi.optimize``, whose traces are taken a minute
+before its own measurement, measured / predicted was 0.996-1.052; with the sum of op times per
+regime that replaced, 0.915-1.025 in the run before, lowest where many events float (resnet,
+depthwise).
 
 Walls come from untraced steps of the three (the step as it runs, one op at a time, the user's)
 timed side by side, round by round: on a shared 2-core machine a 30 ms Keras step's wall moved
