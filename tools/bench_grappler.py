@@ -265,19 +265,29 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, timed: Timed
 
 def _switches(rewritten: GraphItem, planned_peak: int, timed: Timed) -> dict:
     """Each Grappler optimizer flipped alone on the rewritten step: peak and time against the
-    project's configuration."""
+    project's configuration, or the error of a step that no longer runs (the dependency
+    optimizer made the Keras conv step's train op lose its value in 2 of 3 plans,
+    2026-12-06: "Retval[0] does not have value")."""
     switches = DEFAULT_ON + TURNED_OFF
     with _Sessions() as sessions:
-        steps, peaks = {}, {}
+        steps, peaks, errors = {}, {}, {}
         for name, config in [("project", session_config())] + [
                 (switch, _flipped_config(switch)) for switch in switches]:
-            steps[name], session = sessions.step(rewritten, config)
-            peaks[name] = _traced_peak(session, rewritten)
+            try:
+                step, session = sessions.step(rewritten, config)
+                peaks[name] = _traced_peak(session, rewritten)
+            except tf.errors.OpError as error:
+                if name == "project":
+                    raise
+                errors[name] = f"{type(error).__name__}: {error.message}"[:300]
+                continue
+            steps[name] = step
         summary = ratio_summary(timed(steps), "project")
     return {name: {"flipped_to": "off" if name in DEFAULT_ON else "on",
-                   "peak_vs_plan": peaks[name] / planned_peak,
-                   "peak_vs_project": peaks[name] / peaks["project"],
-                   "time_vs_project": _round(summary[name])}
+                   **({"error": errors[name]} if name in errors else {
+                       "peak_vs_plan": peaks[name] / planned_peak,
+                       "peak_vs_project": peaks[name] / peaks["project"],
+                       "time_vs_project": _round(summary[name])})}
             for name in ["project", *switches]}
 
 
