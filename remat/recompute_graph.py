@@ -21,18 +21,27 @@ unless its op was explicitly colocated with another op.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 
-__all__ = ["RecomputeGraph", "recompute_graph", "clone_name"]
+__all__ = ["RecomputeGraph", "recompute_graph", "clone_name", "original_name"]
+
+_CLONE_SUFFIX = re.compile(r"/remat_\d+(?=/|$)")
 
 
 def clone_name(op_name: str, version: int) -> str:
     """Name of the ``version``-th recomputation (1-based) of op ``op_name``."""
     return f"{op_name}/remat_{version}"
+
+
+def original_name(name: str) -> str:
+    """``clone_name``'s inverse: the op a clone recomputes; for a node the rewrite names after
+    a clone (``<clone>/fusion_done``), the original's node of that name."""
+    return _CLONE_SUFFIX.sub("", name)
 
 
 @dataclasses.dataclass

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -57,7 +56,7 @@ from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.executor_model import fit_sharing, simulate_step
 from graphfit.remat.graph_def_walk import ancestors, split_input
 from graphfit.remat.plan import RECOMPUTE, RematPlan
-from graphfit.remat.recompute_graph import clone_name
+from graphfit.remat.recompute_graph import clone_name, original_name
 from graphfit.remat.rewrite import rewrite
 from graphfit.remat.tf_memory import MemoryModel, expand_plan, step_item, tf_memory_model
 
@@ -96,9 +95,6 @@ class StepTraces(NamedTuple):
     sharing: float
 
 
-_CLONE_SUFFIX = re.compile(r"/remat_\d+(?=/|$)")     # remat.rewrite.clone_name's
-
-
 def _wall(step: dict[str, tuple[float, float]]) -> float:
     return max(end for _, end in step.values())
 
@@ -122,7 +118,7 @@ def _durations(dependencies: Mapping[str, Sequence[str]], serial: StepIntervals
     serial_us = {name: statistics.median(step[name][1] - step[name][0]
                                          for step in serial.traced if name in step)
                  for name in names}
-    return {op: serial_us.get(_CLONE_SUFFIX.sub("", op), 0.0) for op in dependencies}
+    return {op: serial_us.get(original_name(op), 0.0) for op in dependencies}
 
 
 def _inter_op_threads() -> int:

@@ -10,6 +10,7 @@ from graphfit import models
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
 from graphfit.profiler.session import serial_config, step_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
+from graphfit.remat.recompute_graph import original_name
 from graphfit.remat.step_time import (StepTraces, chain_head, predict_step_time, serial_chain,
                                       step_dependencies, trace_for_prediction)
 from graphfit.remat.tf_memory import step_item
@@ -27,6 +28,8 @@ def test_the_forward_part_as_the_step_runs_then_the_chain_at_serial_times():
                   (COMPUTE, 3)])
     assert chain_head(names, plan, 2) == "c" and chain_head(names, plan, 4) == "a/remat_1"
     assert chain_head(names, plan, len(plan.events)) is None
+    assert original_name("a/remat_1") == "a"                   # a clone costs its original's
+    assert original_name("l/Relu/remat_2/fusion_done") == "l/Relu/fusion_done"
     rewritten = {"a": [], "b": [], "c": ["a", "b"], "a/remat_1": ["c"],
                  "d": ["a/remat_1", "c"]}
     # Traced steps take 1.5x the untraced ones.

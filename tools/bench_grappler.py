@@ -266,8 +266,8 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, timed: Timed
 def _switches(rewritten: GraphItem, planned_peak: int, timed: Timed) -> dict:
     """Each Grappler optimizer flipped alone on the rewritten step: peak and time against the
     project's configuration, or the error of a step that no longer runs (the dependency
-    optimizer made the Keras conv step's train op lose its value in 2 of 3 plans,
-    2026-12-06: "Retval[0] does not have value")."""
+    optimizer stopped the Keras conv step in 4 of 5 plans on 2026-12-06: "Retval[0] does not
+    have value")."""
     switches = DEFAULT_ON + TURNED_OFF
     with _Sessions() as sessions:
         steps, peaks, errors = {}, {}, {}
