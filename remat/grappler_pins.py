@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 import tensorflow as tf
 from tensorflow.python.grappler import tf_optimizer
 
-__all__ = ["optimized_graph_def", "repin_removed_anchors"]
+__all__ = ["optimized_graph_def", "repin_removed_anchors", "stand_ins"]
 
 
 def optimized_graph_def(graph_def: tf.compat.v1.GraphDef, fetches: Iterable[str],
@@ -47,24 +47,42 @@ def optimized_graph_def(graph_def: tf.compat.v1.GraphDef, fetches: Iterable[str]
     return tf_optimizer.OptimizeGraph(config, meta_graph)
 
 
+def stand_ins(anchors: Mapping[str, list[str]], kept: set[str]) -> dict[str, list[str]]:
+    """For each removed node (not in ``kept``) that ``anchors`` names, the kept nodes it
+    waited for, through chains of removed anchors. Resolved with a stack, not recursion: in
+    a step chained from its first op (``remat.step_time.serial_chain``) Grappler can remove
+    a thousand anchors in a row (gnmt_v2, 2026-12-06: Python's recursion limit)."""
+    resolved: dict[str, list[str]] = {}
+    entered: set[str] = set()
+    for start in dict.fromkeys(anchor for waits_for in anchors.values() for anchor in waits_for
+                               if anchor not in kept):
+        stack = [start]
+        while stack:
+            name = stack[-1]
+            if name in resolved:
+                stack.pop()
+                continue
+            earlier = anchors.get(name, [])
+            pending = [a for a in earlier if a not in kept and a not in resolved]
+            if pending and name not in entered:     # resolve its removed anchors first
+                entered.add(name)
+                stack.extend(pending)
+                continue
+            # A removed anchor reached again on a cycle adds nothing more.
+            resolved[name] = list(dict.fromkeys(
+                kept_name for anchor in earlier
+                for kept_name in ([anchor] if anchor in kept else resolved.get(anchor, []))))
+            stack.pop()
+    return resolved
+
+
 def repin_removed_anchors(graph_def: tf.compat.v1.GraphDef, anchors: Mapping[str, list[str]],
                           fetches: Iterable[str], config: tf.compat.v1.ConfigProto) -> int:
     """Give each pinned node of ``graph_def`` (in place) an edge from what its removed anchors
     waited for (module docstring). Returns the number of edges added."""
     kept = {node.name for node in optimized_graph_def(graph_def, fetches, config).node}
     nodes = {node.name: node for node in graph_def.node}
-    resolved: dict[str, list[str]] = {}
-
-    def stand_ins(anchor: str) -> list[str]:
-        # The kept nodes a removed anchor waited for, through removed anchors of its own.
-        if anchor in kept:
-            return [anchor]
-        if anchor not in resolved:
-            resolved[anchor] = []        # a removed anchor reached again adds nothing more
-            resolved[anchor] = list(dict.fromkeys(
-                name for earlier in anchors.get(anchor, []) for name in stand_ins(earlier)))
-        return resolved[anchor]
-
+    resolved = stand_ins(anchors, kept)
     added = 0
     for name, waits_for in anchors.items():
         if name not in kept or all(anchor in kept for anchor in waits_for):
@@ -72,7 +90,7 @@ def repin_removed_anchors(graph_def: tf.compat.v1.GraphDef, anchors: Mapping[str
         node = nodes[name]
         present = {entry.lstrip("^").split(":")[0] for entry in node.input}
         for anchor in waits_for:
-            for stand_in in stand_ins(anchor):
+            for stand_in in resolved.get(anchor, [anchor]):
                 if stand_in not in present:
                     node.input.append("^" + stand_in)
                     present.add(stand_in)

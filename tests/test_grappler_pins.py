@@ -9,7 +9,7 @@ from graphfit import models
 from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.graph_def_walk import ancestors
-from graphfit.remat.grappler_pins import optimized_graph_def, repin_removed_anchors
+from graphfit.remat.grappler_pins import optimized_graph_def, repin_removed_anchors, stand_ins
 from graphfit.remat.rewrite import rewrite
 from graphfit.remat.schedule import plan_from_schedule
 
@@ -55,3 +55,15 @@ def test_softmax_gradient_muls_stay_after_the_event_before_them_through_grappler
         scope = node.name[:-len("mul_1")]
         assert scope + "sub" not in node.input      # Grappler did re-associate it
         assert scope + "Sum" in ancestors(optimized, [node.name])
+
+
+def test_stand_ins_resolve_long_chains_and_cycles_of_removed_anchors():
+    """A serial chain of gnmt_v2 had a thousand removed anchors in a row: past Python's
+    recursion limit for a recursive resolution."""
+    anchors = {f"n{i}": [f"n{i - 1}"] for i in range(1, 5001)}
+    anchors["n2500"].append("side")                # a second kept anchor halfway
+    anchors.update({"x": ["y", "n0"], "y": ["x"]})   # a cycle of removed anchors
+    resolved = stand_ins(anchors, kept={"n0", "side", "n5000"})
+    assert resolved["n4999"] == ["n0", "side"] and resolved["n1"] == ["n0"]
+    assert "n0" not in resolved and "n5000" not in resolved     # kept: their own stand-ins
+    assert resolved["x"] == ["n0"] and resolved["y"] in (["n0"], [])

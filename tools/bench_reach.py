@@ -45,6 +45,7 @@ from collections.abc import Callable
 import numpy as np
 
 from graphfit.profiler.profile import atomic_write_json
+from graphfit.profiler.session import onednn_enabled
 
 __all__ = ["MODELS", "QUICK_MODELS", "RATIOS", "keras_step_item", "main", "reach"]
 
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as error:  # noqa: BLE001 - one model's failure is a row, not a crash
             traceback.print_exc()
             rows.append({"model": name, "error": f"{type(error).__name__}: {error}"[:2000]})
-        atomic_write_json(f"{RESULT_DIR}/{stem}.json", {"ratios": ratios, "rows": rows})
+        atomic_write_json(f"{RESULT_DIR}/{stem}.json", {"ratios": ratios,
+                                                        "onednn": onednn_enabled(), "rows": rows})
     _plot(rows, f"{RESULT_DIR}/{stem}.png")
     print(_table(rows))
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import atomic_write_json
-from graphfit.profiler.session import step_config, user_config
+from graphfit.profiler.session import onednn_enabled, step_config, user_config
 from graphfit.profiler.tf_function import to_callable
 from graphfit.profiler.trace import print_progress
 from graphfit.remat.measure import measure_step
@@ -115,7 +115,8 @@ def main() -> None:
               f"{r['floating']['planned_step_vs_user']:.3f}  peak/plan "
               f"{r['strict']['measured_peak_vs_plan']:.3f} / "
               f"{r['floating']['measured_peak_vs_plan']:.3f}", flush=True)
-    atomic_write_json(f"{RESULT}.json", {"ratio": RATIO, "load_average_before": load_before,
+    atomic_write_json(f"{RESULT}.json", {"ratio": RATIO, "onednn": onednn_enabled(),
+                                         "load_average_before": load_before,
                                          "load_average_after": os.getloadavg(), "rows": rows})
     _plot(rows, f"{RESULT}.png")
 
