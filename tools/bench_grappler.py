@@ -385,8 +385,10 @@ def main(argv: list[str] | None = None) -> None:
         nb = r["vs_user"]["no_budget"]
         measured = remat.get("paired_vs_user", {})
         print(f"{r['model']:34s} user {r['user_step_ms']:8.1f} ms  no budget {nb['median']:.3f}"
-              f" [{nb['q1']:.3f}, {nb['q3']:.3f}]  planned {remat.get('planned_overhead', np.nan):.2f}"
-              f" / step {remat.get('planned_step_vs_user', np.nan):.2f}  measured {measured.get('median', np.nan):.2f}  peak/plan "
+              f" [{nb['q1']:.3f}, {nb['q3']:.3f}]  planned "
+              f"{remat.get('planned_overhead', np.nan):.2f}"
+              f" / step {remat.get('planned_step_vs_user', np.nan):.2f}  measured "
+              f"{measured.get('median', np.nan):.2f}  peak/plan "
               f"{remat.get('peak_vs_plan', np.nan):.3f}  HEURISTICS peak "
               f"{r['tf_memory_optimizer']['HEURISTICS']['peak_vs_user']:.2f}"
               + (f"  {r['remat_error'][:80]}" if "remat_error" in r else ""))

@@ -5,8 +5,9 @@ plan's peak (``remat.side_by_side``; what ``baechi.optimize`` tries when it veri
 Per model, one plan at 0.5 of the measured peak (``offline``, after the graph passes) is
 lowered both ways, and the two rewritten steps are timed side by side with the user's step
 (paired, interleaved rounds: ``profiler.paired_timing``), with their measured peaks and the
-step time ``remat.step_time`` predicts for each (a replay of its own graph). The models: ``tools.bench_grappler``'s quick ones and ``tools.bench_reach``'s
-DenseNet-style step, whose many small ops leave a core idle in a chain.
+step time ``remat.step_time`` predicts for each (a replay of its own graph). The models:
+``tools.bench_grappler``'s quick ones and ``tools.bench_reach``'s DenseNet-style step, whose
+many small ops leave a core idle in a chain.
 
     python -m graphfit.tools.bench_side_by_side
 
