@@ -53,10 +53,11 @@ def simulate_step(inputs: Mapping[str, Sequence[str]], durations: Mapping[str, f
         raise ValueError(f"threads {threads} must be at least 1 and sharing {sharing} at "
                          f"least 0")
     position = {op: i for i, op in enumerate(inputs)}
-    waiting = {op: len({i for i in inputs[op] if i in position}) for op in inputs}
+    producers = {op: {i for i in inputs[op] if i in position} for op in inputs}
+    waiting = {op: len(ops) for op, ops in producers.items()}
     readers: dict[str, list[str]] = {op: [] for op in inputs}
-    for op in inputs:
-        for producer in {i for i in inputs[op] if i in position}:
+    for op, ops in producers.items():
+        for producer in ops:
             readers[producer].append(op)
     ready = [(0.0, position[op], op) for op in inputs if waiting[op] == 0]
     heapq.heapify(ready)
