@@ -17,6 +17,7 @@ limit, every colocation group on one device).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 
 import numpy as np
@@ -32,10 +33,10 @@ from graphfit.baechi.memory import check_memory_model
 from graphfit.baechi.schedule import PlacementError, RuntimeCosts, Schedule, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.errors import check_number
-from graphfit.profiler.cost_graph import CostGraph
+from graphfit.profiler.cost_graph import FEED_OP_TYPES, CostGraph
 
 __all__ = ["METHODS", "PLACER_TYPES", "Placement", "PlacementError", "makespan_lower_bound_us",
-           "place"]
+           "place", "place_feeds_first"]
 
 METHODS = ("m_topo", "m_etf", "m_sct")
 PLACER_TYPES = ("default", "colocation", "fusion")
@@ -286,8 +287,11 @@ def _check_postconditions(placement: Placement, tf_groups: np.ndarray,
 
 def _op_order(graph: CostGraph, units: UnitGraph, unit_schedule: Schedule) -> np.ndarray:
     """The original ops in order of their start within the fused schedule (a unit's ops run
-    back to back from the unit's start, in op order); ties by the units' commit order. This is
-    a topological order that keeps the replay's start times close to the fused schedule's."""
+    back to back from the unit's start, in op order; ties by the units' commit order, then op
+    index), taken as priorities of a topological sort: a start computed from op times can
+    fall after a successor unit's start (the unit's scheduled duration is not the sum of its
+    ops' times to the last bit), and an order that is not topological cannot be replayed. So
+    the replay is a function of the costs alone, and valid for every costs."""
     unit = units.unit_of_op
     by_unit = np.lexsort((np.arange(graph.num_ops), unit))
     compute = graph.compute_us[by_unit]
@@ -298,7 +302,21 @@ def _op_order(graph: CostGraph, units: UnitGraph, unit_schedule: Schedule) -> np
     position = np.empty(units.num_units, dtype=np.int64)
     position[unit_schedule.order] = np.arange(units.num_units)
     start = unit_schedule.start_us[unit] + offset
-    return np.lexsort((np.arange(graph.num_ops), position[unit], start))
+    priority = np.empty(graph.num_ops, dtype=np.int64)
+    priority[np.lexsort((np.arange(graph.num_ops), position[unit], start))] = \
+        np.arange(graph.num_ops)
+    waiting = [len(graph.predecessors(j)) for j in range(graph.num_ops)]
+    ready = [(int(priority[j]), j) for j in range(graph.num_ops) if waiting[j] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, j = heapq.heappop(ready)
+        order.append(j)
+        for k in graph.successors(j):
+            waiting[k] -= 1
+            if waiting[k] == 0:
+                heapq.heappush(ready, (int(priority[k]), k))
+    return np.array(order, dtype=np.int64)
 
 
 def _op_gates(units: UnitGraph, ops: UnitGraph, unit_schedule: Schedule) -> dict[int, int]:
@@ -432,3 +450,37 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
                  "lp_solver": lp_solver, "link_model": devices.link_model})
     _check_postconditions(placement, tf_groups, groups)
     return placement
+
+
+def place_feeds_first(cost_graph: CostGraph, devices: DeviceSet, **place_options) -> Placement:
+    """``place`` for devices that share one process's memory (``memory_model="shared"``, the
+    virtual CPU devices): the session hands fed tensors to the client's device, the first,
+    whatever device their placeholder is on (measured: a feed counts on ``CPU:0``). So the
+    placeholders go there, the others are placed around them in the first device's remaining
+    memory, and the whole step is simulated again as it will run.
+
+    Raises:
+        PlacementError: as ``place``, or the step with its feeds on the first device peaks over
+            a limit (says by how much).
+    """
+    feeds = [i for i, op_type in enumerate(cost_graph.op_types) if op_type in FEED_OP_TYPES]
+    specs = cost_graph.to_specs()
+    for i in feeds:
+        specs[i].persistent_bytes = 0
+    limits = devices.memory_bytes.copy()
+    limits[0] -= int(cost_graph.persistent_bytes[feeds].sum())
+    placement = place(CostGraph.from_ops(specs), devices.with_memory(limits.tolist()),
+                      **place_options)
+    device_index = placement.device_index.copy()
+    device_index[feeds] = 0
+    schedule = simulate(UnitGraph.singletons(cost_graph, tf_colocation_groups(cost_graph)),
+                        devices, device_index, placement.schedule.order,
+                        placement.schedule.memory_model)
+    over = schedule.peak_bytes - devices.memory_bytes
+    if (over > 0).any():
+        d = int(np.argmax(over))
+        raise PlacementError(f"with the feeds on {devices.names[0]} the step peaks at "
+                             f"{int(schedule.peak_bytes[d]) / 2**20:.2f} MiB on "
+                             f"{devices.names[d]}, {int(over[d]) / 2**20:.2f} MiB over its limit")
+    return dataclasses.replace(placement, graph=cost_graph, devices=devices,
+                               device_index=device_index, schedule=schedule)
