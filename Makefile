@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 # The main job: an mlp step (16 layers of 256, batch 2048) that peaks at 40 MiB on one device
 # is fitted over four devices of 10.5 MiB each (virtual CPUs without GPUs). It fits neither on one
 # device nor by placement alone, nor rematerialized to one 10.5 MiB device; the joint search
-# (baechi.joint) picks the remat budget and the placement together, trains a few steps and
+# (pipeline.joint) picks the remat budget and the placement together, trains a few steps and
 # prints planned against measured peaks per device; the report a person reads goes to
 # out/train_report/summary.md. Override with e.g. `make train ARGS="--model_name=resnet"`.
 ARGS ?= --model_name=mlp --batch_size=2048 --model_arg=depth=16 --model_arg=width=256 \
@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) -m graphfit.tools.bench
+	$(PY) -m graphfit.bench
 
 sweep: $(STAMP)
 	$(PY) -m graphfit.tools.sweep --config tools/sweep_configs/ablation.json

@@ -6,7 +6,7 @@ baechi's ``DeviceError`` and ``PlacementError``, the step comparison's ``StepMis
 ...). The binaries (``tools.cli``) print such an error as one paragraph and exit with status 2;
 anything else is a bug and keeps its traceback.
 
-The checks here run where arguments enter (flags, ``baechi.optimize``, the planners), before
+The checks here run where arguments enter (flags, ``pipeline.optimize``, the planners), before
 any work, so a NaN limit or a negative size never turns into a plausible-looking result.
 """
 

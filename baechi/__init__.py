@@ -1,14 +1,6 @@
-"""Baechi's memory-constrained placement, and the pipeline entry point ``baechi.optimize``.
+"""Baechi's memory-constrained placement: grouping, fusion, the placers m-TOPO, m-ETF and m-SCT,
+their LP, the schedule simulator, and applying a placement to a TF graph.
 
-The algorithm modules (grouping, fusion, placers, LP, schedule) read the cost-graph IR and never
-import TensorFlow; ``optimize`` (``baechi.pipeline``) does, so it is loaded on first use.
+The algorithm modules read the cost-graph IR and never import TensorFlow; nothing here imports
+``remat`` (the orchestration that combines both lives in ``graphfit.pipeline``).
 """
-
-__all__ = ["optimize"]
-
-
-def __getattr__(name):
-    if name == "optimize":
-        from graphfit.baechi.pipeline import optimize
-        return optimize
-    raise AttributeError(f"module 'baechi' has no attribute {name!r}")

@@ -31,7 +31,7 @@ The simulated peaks also assume each device runs its ops one at a time in the pl
 and that an op waits for the releases the plan made before it (the repair step waits for memory
 to be freed, often by an op on another device). ``ordering`` (``Placement.memory_order()``)
 writes these as control edges; Grappler's remapper would then leave ``MatMul`` + ``BiasAdd`` +
-activation groups unfused, so ``remat.remapper_fusions`` moves the edges off those groups
+activation groups unfused, so ``profiler.remapper_fusions`` moves the edges off those groups
 without changing what runs after what.
 
 Reference: Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020
@@ -49,7 +49,7 @@ from graphfit.baechi.schedule import PlacementError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.trace import step_fetches
-from graphfit.remat.remapper_fusions import keep_remapper_fusions
+from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["ColocationError", "apply_placement", "enforced_colocation_groups"]
 
@@ -154,7 +154,7 @@ def apply_placement(item: GraphItem, op_devices: Mapping[str, str],
         item: the training step (not modified).
         op_devices: op name -> device name (e.g. ``Placement.op_devices()``); must cover every
             op of the step, except ops TF colocates with a placed op (``_class``: such an op
-            goes with its group, e.g. the gates of ``remat.remapper_fusions``, which a plan's
+            goes with its group, e.g. the gates of ``profiler.remapper_fusions``, which a plan's
             cost graph does not list), and may name ops outside it.
         default_device: device of ops outside the step that are in no placed colocation group
             (the initialiser's ``NoOp``); default: the smallest device name of the placement.

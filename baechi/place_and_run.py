@@ -15,7 +15,7 @@ from typing import Any
 
 from graphfit.baechi.apply import apply_placement
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.place import Placement, place
+from graphfit.baechi.place import Placement, place, place_feeds_first
 from graphfit.baechi.run import PLACEMENT_RTOL, RunTarget, measure_placed_run
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import Profile
@@ -40,7 +40,8 @@ def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = No
             when the repair step placed it (``baechi.memory_first``: its peaks rely on
             waiting for memory).
         place_options: passed to ``baechi.place.place`` (method, placer_type, grouper,
-            memory_model, sct_threshold, lp_solver).
+            memory_model, sct_threshold, lp_solver); with ``memory_model="shared"`` (virtual
+            CPU devices) the feeds go on the first device (``baechi.place.place_feeds_first``).
 
     Returns:
         (the placed item, the ``Placement``).
@@ -51,7 +52,8 @@ def place_item(item: GraphItem, devices: DeviceSet, profile: Profile | None = No
         profiler.profile.ProfileMismatchError: ``profile`` was measured on another graph.
     """
     cost_graph = cost_graph_from_graph(item.graph, step_fetches(item), profile)
-    placement = place(cost_graph, devices, **place_options)
+    placer = place_feeds_first if place_options.get("memory_model") == "shared" else place
+    placement = placer(cost_graph, devices, **place_options)
     if memory_order is None:
         memory_order = bool(placement.unit_schedule.info.get("memory_first"))
     ordering = placement.memory_order() if memory_order else ()

@@ -4,8 +4,8 @@ Each benchmark module writes its own JSON (and plots) under ``bench/results/``; 
 runs them in a fixed order, times them, and records in ``bench/results/index.json`` when and on
 what machine each ran, so README numbers can be traced to a run.
 
-    python -m graphfit.tools.bench                 # all
-    python -m graphfit.tools.bench ir placement    # some, by name
+    python -m graphfit.bench                 # all
+    python -m graphfit.bench ir placement    # some, by name
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from graphfit.profiler.profile import atomic_write_json
 
 INDEX_PATH = "bench/results/index.json"
 BENCHMARKS = {
-    "ir": "graphfit.tools.bench_ir",
-    "remat_traces": "graphfit.tools.bench_remat_traces",
-    "remat_milp": "graphfit.tools.bench_remat_milp",
-    "remat_lp_zoo": "graphfit.tools.bench_remat_lp_zoo",
-    "placement": "graphfit.tools.bench_placement",
-    "loops": "graphfit.tools.bench_loops",
-    "reach": "graphfit.tools.bench_reach",
-    "grappler": "graphfit.tools.bench_grappler",
-    "side_by_side": "graphfit.tools.bench_side_by_side",
+    "ir": "graphfit.bench.ir",
+    "remat_traces": "graphfit.bench.remat_traces",
+    "remat_milp": "graphfit.bench.remat_milp",
+    "remat_lp_zoo": "graphfit.bench.remat_lp_zoo",
+    "placement": "graphfit.bench.placement",
+    "loops": "graphfit.bench.loops",
+    "reach": "graphfit.bench.reach",
+    "grappler": "graphfit.bench.grappler",
+    "side_by_side": "graphfit.bench.side_by_side",
 }
 
 

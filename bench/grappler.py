@@ -9,7 +9,7 @@ dominate the peak, so a plan at 0.5 exists):
   (``profiler.session.user_config``); for a Keras model the user's ``tf.function`` itself,
   called eagerly (what a Keras user runs; its traced graph in a default session is timed too,
   ``user_session``).
-- **No budget**: the step ``baechi.optimize`` returns without a budget (the user's graph,
+- **No budget**: the step ``pipeline.optimize`` returns without a budget (the user's graph,
   run with ``profiler.session.step_config``: TF's defaults; for Keras the user's own
   function), timed side by side with the user's (``profiler.paired_timing``: interleaved
   rounds, alternating order; median ratio and quartiles). Beside it: the same graph under the
@@ -32,7 +32,7 @@ dominate the peak, so a plan at 0.5 exists):
 Writes ``bench/results/grappler.json`` (``--quick``: ``grappler_quick.json``) and the plot
 beside it; the JSON records the load average before and after.
 
-    python -m graphfit.tools.bench_grappler [--quick]
+    python -m graphfit.bench.grappler [--quick]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.core.protobuf import rewriter_config_pb2  # noqa: E402
 
 from graphfit import models  # noqa: E402
-from graphfit.baechi.pipeline import optimize  # noqa: E402
+from graphfit.pipeline.meta_optimizer import optimize  # noqa: E402
 from graphfit.models.graph_item import GraphItem  # noqa: E402
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary  # noqa: E402
 from graphfit.profiler.profile import atomic_write_json  # noqa: E402
@@ -83,16 +83,16 @@ def keras_user_step(kind: str, batch: int = 16, size: int = 32
 
     ``"conv"``: a ResNet-style net (ZeroPadding2D, Conv2D with bias, BatchNorm, residual
     adds, a strided projection) on ``size``² images; ``"depthwise"``: a MobileNet-style net
-    (``tools.bench_reach``'s: depthwise + pointwise convolutions, BatchNorm, ReLU6, four
+    (``bench.reach``'s: depthwise + pointwise convolutions, BatchNorm, ReLU6, four
     blocks up to 128 channels) on ``size``² images; ``"attention"``: a transformer encoder
-    (``tools.bench_reach``'s: two blocks of 4-head attention, LayerNorm, MLP) over ``size``
+    (``bench.reach``'s: two blocks of 4-head attention, LayerNorm, MLP) over ``size``
     tokens of width 128. The depthwise and attention nets are deeper than a single block
     so that activations stay the bulk of the peak: in a shallow one, one op's working set or
     the weights are most of it, and no plan reaches 0.5."""
     import keras
 
     from graphfit.profiler.tf_function import classifier_train_step, graph_item_from_function
-    from graphfit.tools.bench_reach import _attention, _mobilenet
+    from graphfit.bench.reach import _attention, _mobilenet
 
     layers = keras.layers
     keras.utils.set_random_seed(0)

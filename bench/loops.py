@@ -11,11 +11,11 @@ which unrolls both loops (``profiler.unroll_loops``):
   bound (``simulator.minimum_budget_bytes``) / baseline peak;
 - ``planned``: per planner of ``PLANNERS`` and ratio of ``RATIOS``, the planned overhead or
   the failure (planned, not run);
-- ``runs``: ``baechi.optimize(memory_ratio=r, remat_heuristic="offline")`` run and verified at
+- ``runs``: ``pipeline.optimize(memory_ratio=r, remat_heuristic="offline")`` run and verified at
   0.5 and at the lowest ratio ``offline`` planned: measured peak / budget, planned and
   measured overhead, loss and gradients equal; or the error.
 
-    python -m graphfit.tools.bench_loops
+    python -m graphfit.bench.loops
 
 Writes ``bench/results/loops.json`` and ``loops.png`` (planned overhead vs budget ratio) and
 prints a table.
@@ -85,7 +85,7 @@ def _run(item, ratio: float) -> dict:
     from graphfit import baechi
 
     try:
-        report = baechi.optimize(item, memory_ratio=ratio, remat_heuristic="offline",
+        report = pipeline.optimize(item, memory_ratio=ratio, remat_heuristic="offline",
                                  remat_overhead_limit=OVERHEAD_LIMIT, progress=None
                                  ).report()["remat"]
     except Exception as error:                     # noqa: BLE001 - recorded verbatim

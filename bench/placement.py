@@ -29,9 +29,9 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
 
 The machine is shared: wall times are noisy, CPU seconds less so; see ``index.json``.
 
-    python -m graphfit.tools.bench_placement                  # all sections (about 2 hours)
-    python -m graphfit.tools.bench_placement tight --quick    # some sections, graphs <= 2k ops
-    python -m graphfit.tools.bench_placement variants         # the variant sweep (~10 min)
+    python -m graphfit.bench.placement                  # all sections (about 2 hours)
+    python -m graphfit.bench.placement tight --quick    # some sections, graphs <= 2k ops
+    python -m graphfit.bench.placement variants         # the variant sweep (~10 min)
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ depthwise net, a DenseNet-style net of concatenations, LSTM and GRU classifiers 
 in minutes:
 
 - ``baseline_peak_bytes``: the step's measured peak (allocator records, as ``remat.measure``);
-- ``graph_passes``: what ``remat.pipeline.prepare_step`` (gradient accumulation, early
+- ``graph_passes``: what ``pipeline.passes.run_graph_passes`` (gradient accumulation, early
   updates) rewrote, and the measured peak after them;
 - ``lower_bound_ratio``: the planner's lower bound (``simulator.minimum_budget_bytes`` on the
   calibrated planning graph of the prepared step) / baseline peak;
 - ``lowest_ratio``: per planner (``dtr``, ``offline``), the lowest of ``RATIOS`` at which it
   finds a plan in one traced order, as it ran or with its backward pass reordered
   (``remat.backward_order``) (planned, not run; ratios below a failure are not tried);
-- ``at_half``: ``baechi.optimize(remat_heuristic="offline")`` with a budget of half the
+- ``at_half``: ``pipeline.optimize(remat_heuristic="offline")`` with a budget of half the
   row's ``baseline_peak_bytes``, run and verified: planned and measured overhead, the
   predicted and measured step against the user's (``remat.step_time``), measured peak /
   budget, loss / gradients / weights equal, the closed loop's rounds; or the error,
@@ -27,7 +27,7 @@ in minutes:
   the backward pass as a chain, so the gap between the measured overhead and this one is the
   inter-op parallelism the chain gives up, not recomputation.
 
-    python -m graphfit.tools.bench_reach [--quick] [--models a,b] [--output_stem reach_x]
+    python -m graphfit.bench.reach [--quick] [--models a,b] [--output_stem reach_x]
 
 Writes ``bench/results/reach.json`` (``--quick``: ``reach_quick.json``) and ``reach.png``
 and prints a table.
@@ -234,7 +234,8 @@ def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
     from graphfit import baechi
     from graphfit.remat.backward_order import reorder_backward
     from graphfit.remat.measure import measure_step
-    from graphfit.remat.pipeline import prepare_step, resident_outputs
+    from graphfit.pipeline.passes import run_graph_passes
+    from graphfit.remat.pipeline import resident_outputs
     from graphfit.remat.simulator import minimum_budget_bytes
     from graphfit.remat.tf_memory import tf_memory_model
 
@@ -244,7 +245,7 @@ def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
     baseline = measure_step(item, steps=2, warmup=1)
     row["baseline_peak_bytes"] = baseline.peak_bytes
     row["baseline_step_time_us"] = baseline.step_time_us
-    prepared, records = prepare_step(item)
+    prepared, records = run_graph_passes(item)
     row["graph_passes"] = records
     measured = baseline if prepared is item else measure_step(prepared, steps=2, warmup=1)
     row["prepared_peak_bytes"] = measured.peak_bytes
@@ -257,7 +258,7 @@ def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
                                                   baseline.peak_bytes, planner, ratios)
                            for planner in PLANNERS}
     try:
-        result = baechi.optimize(item, memory_budget=baseline.peak_bytes // 2,
+        result = pipeline.optimize(item, memory_budget=baseline.peak_bytes // 2,
                                  remat_heuristic="offline", progress=None)
         remat = result.report()["remat"]
         row["at_half"] = {key: remat.get(key) for key in (

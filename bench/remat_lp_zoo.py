@@ -5,12 +5,12 @@ full or grouped, its size, HiGHS and planning time, LP value, rounded and filled
 Writes ``bench/results/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``; about 20 min on 2 shared
 cores (profiling every preset included).
 
-    python -m graphfit.tools.bench_remat_lp_zoo
+    python -m graphfit.bench.remat_lp_zoo
 """
 
 from __future__ import annotations
 
-from graphfit.tools.bench_remat_milp import zoo
+from graphfit.bench.remat_milp import zoo
 
 __all__ = ["main"]
 

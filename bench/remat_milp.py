@@ -31,8 +31,8 @@ Writes ``bench/results/remat_milp.json``, ``remat_milp.png`` and ``remat_milp.tx
 ``checkmate_lp`` alone at ``ZOO_RATIOS``: graph size, LP size, solve time, overhead beside
 ``dtr`` and ``offline``; writes ``bench/results/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``.
 
-    python -m graphfit.tools.bench_remat_milp [time_limit_s]
-    python -m graphfit.tools.bench_remat_milp --zoo
+    python -m graphfit.bench.remat_milp [time_limit_s]
+    python -m graphfit.bench.remat_milp --zoo
 """
 
 from __future__ import annotations

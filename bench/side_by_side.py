@@ -1,15 +1,15 @@
 """Benchmark the rewrite's two orders of the backward pass: a strict chain, and floating
 events, which run as soon as their inputs exist where a bound on the memory stays within the
-plan's peak (``remat.side_by_side``; what ``baechi.optimize`` tries when it verifies).
+plan's peak (``remat.side_by_side``; what ``pipeline.optimize`` tries when it verifies).
 
 Per model, one plan at 0.5 of the measured peak (``offline``, after the graph passes) is
 lowered both ways, and the two rewritten steps are timed side by side with the user's step
 (paired, interleaved rounds: ``profiler.paired_timing``), with their measured peaks and the
 step time ``remat.step_time`` predicts for each (a replay of its own graph). The models:
-``tools.bench_grappler``'s quick ones and ``tools.bench_reach``'s DenseNet-style step, whose
+``bench.grappler``'s quick ones and ``bench.reach``'s DenseNet-style step, whose
 many small ops leave a core idle in a chain.
 
-    python -m graphfit.tools.bench_side_by_side
+    python -m graphfit.bench.side_by_side
 
 Writes ``bench/results/side_by_side.json`` and ``side_by_side.png`` and prints a table.
 """
@@ -27,11 +27,12 @@ from graphfit.profiler.session import onednn_enabled, step_config, user_config
 from graphfit.profiler.tf_function import to_callable
 from graphfit.profiler.trace import print_progress
 from graphfit.remat.measure import measure_step
-from graphfit.remat.pipeline import prepare_step, rematerialize
+from graphfit.pipeline.passes import run_graph_passes
+from graphfit.remat.pipeline import rematerialize
 from graphfit.remat.step_time import trace_for_prediction
 from graphfit.remat.tf_memory import step_item, tf_memory_model
-from graphfit.tools.bench_grappler import RATIO, _models, _Sessions, _traced_peak
-from graphfit.tools.bench_reach import MODELS
+from graphfit.bench.grappler import RATIO, _models, _Sessions, _traced_peak
+from graphfit.bench.reach import MODELS
 
 __all__ = ["main", "floating_vs_strict"]
 
@@ -44,7 +45,7 @@ def floating_vs_strict(item, user) -> dict:
     timed beside the user's step (``user``: a Keras ``(step function, args)``, or ``None``
     for the graph under TF's defaults)."""
     item = step_item(item)
-    prepared, _ = prepare_step(item)
+    prepared, _ = run_graph_passes(item)
     baseline = measure_step(item, steps=3, warmup=1)
     # One memory model (its calibration trace fixes the op order), so both orders lower the
     # same plan.

@@ -1,6 +1,6 @@
 """Joint rematerialization and placement: how much to recompute and where each op goes, together.
 
-``baechi.optimize`` runs its passes one after the other: rematerialize to one budget, then place.
+``pipeline.optimize`` runs its passes one after the other: rematerialize to one budget, then place.
 The user's question is another one: "here are N devices of M bytes each; make my step fit and
 run fast". Recomputing more lowers every device's memory but lengthens the step; recomputing
 less leaves more for the placer to spread, at the price of transfers or of not fitting at all.
@@ -21,9 +21,11 @@ less leaves more for the placer to spread, at the price of transfers or of not f
 
 Two one-pass options are simulated beside it for comparison: **place only** (the step as it is,
 on the devices) and **remat only** (rematerialized to the smallest device's memory, run on that
-one device). ``fit_devices`` measures the step once, runs the search, and builds and runs only
-the winner in TensorFlow: rewrite, apply the placement, check the loss and gradients against
-the original step, and measure every device's peak against the plan.
+one device). ``joint_search`` measures the step once and runs the search; the search only
+ranks. ``pipeline.optimize(joint=JointSpace(...))`` then builds the fastest option through the
+same passes as every other way in (the remat closed loop, the placement with the plain path's
+colocation grouping, the verifiers) and measures each device's peak against its limit; an
+option that misses gives way to the next.
 
 References:
     Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021 (the remat planners);
@@ -34,22 +36,21 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.place import Placement, place
+from graphfit.baechi.place import Placement, place, place_feeds_first
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.progress import progress_bar
 from graphfit.remat.pipeline import BudgetError, cheapest_plan, planning_orders
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.recompute_graph import RecomputeGraph, clone_name, recompute_graph
 
-__all__ = ["DEFAULT_RATIOS", "DEFAULT_METHODS", "Option", "JointSearch", "search",
-           "fit_devices"]
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_METHODS", "Option", "JointSearch", "JointSpace", "search",
+           "joint_search", "build_option"]
 
 # Remat budgets tried, as fractions of the measured single-device peak (1.0: no remat).
 DEFAULT_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15)
@@ -122,6 +123,13 @@ class JointSearch:
     baseline_peak_bytes: int
     devices: DeviceSet
 
+    def ranked(self) -> list[Option]:
+        """The options that fit, fastest simulated step first (fewer recomputations on a
+        tie): the order in which ``pipeline.optimize`` builds and measures them."""
+        fitting = [o for o in [*self.options, self.place_only] if o.fits]
+        unique = {(o.ratio, o.method): o for o in reversed(fitting)}     # refinements repeat
+        return sorted(unique.values(), key=lambda o: (o.makespan_us, o.num_recomputes))
+
     def explanation(self) -> str:
         """Why the winner won, in one paragraph."""
         if self.winner is None:
@@ -178,47 +186,10 @@ def _plan(models, budget_bytes: int | None, heuristic: str, overhead_limit: floa
     return True
 
 
-def _feeds_on_first_device(graph, devices: DeviceSet, method: str,
-                           place_options: dict) -> Placement:
-    """Place ``graph`` where devices share one process's memory: the session hands fed
-    tensors to the client's device (the first) whatever device their placeholder is on, so
-    the placeholders go there and the others are placed around them (measured on virtual CPU
-    devices: a feed counts on ``CPU:0``)."""
-    from graphfit.baechi.grouping import tf_colocation_groups
-    from graphfit.baechi.schedule import simulate
-    from graphfit.baechi.units import UnitGraph
-    from graphfit.profiler.cost_graph import CostGraph
-    from graphfit.remat.tf_memory import FEED_OP_TYPES
-
-    feeds = [i for i, op_type in enumerate(graph.op_types) if op_type in FEED_OP_TYPES]
-    feed_bytes = int(graph.persistent_bytes[feeds].sum())
-    specs = graph.to_specs()
-    for i in feeds:
-        specs[i].persistent_bytes = 0
-    limits = devices.memory_bytes.copy()
-    limits[0] -= feed_bytes
-    placement = place(CostGraph.from_ops(specs), devices.with_memory(limits.tolist()),
-                      method=method, **place_options)
-    device_index = placement.device_index.copy()
-    device_index[feeds] = 0
-    schedule = simulate(UnitGraph.singletons(graph, tf_colocation_groups(graph)), devices,
-                        device_index, placement.schedule.order, placement.schedule.memory_model)
-    over = schedule.peak_bytes - devices.memory_bytes
-    if (over > 0).any():
-        d = int(np.argmax(over))
-        raise PlacementError(f"with the feeds on {devices.names[0]} the step peaks at "
-                             f"{int(schedule.peak_bytes[d])} bytes on {devices.names[d]}, "
-                             f"{int(over[d])} over its limit")
-    return dataclasses.replace(placement, graph=graph, devices=devices,
-                               device_index=device_index, schedule=schedule)
-
-
 def _place(graph, devices: DeviceSet, option: Option, place_options: dict) -> None:
     try:
-        if place_options.get("memory_model") == "shared":
-            placement = _feeds_on_first_device(graph, devices, option.method, place_options)
-        else:
-            placement = place(graph, devices, method=option.method, **place_options)
+        placer = place_feeds_first if place_options.get("memory_model") == "shared" else place
+        placement = placer(graph, devices, method=option.method, **place_options)
     except PlacementError as error:
         option.reason = _short(error)
         return
@@ -323,6 +294,36 @@ def search(models, devices: DeviceSet, baseline_peak_bytes: int, loss: str | Non
     return JointSearch(options, best, place_only, remat_only, int(baseline_peak_bytes), devices)
 
 
+@dataclasses.dataclass(frozen=True)
+class JointSpace:
+    """What joint mode searches: remat budgets as fractions of the measured single-device peak
+    (1.0: no recomputation) and placers of ``baechi.place.METHODS``."""
+
+    ratios: Sequence[float] = DEFAULT_RATIOS
+    methods: Sequence[str] = DEFAULT_METHODS
+
+
+def joint_search(item, devices: DeviceSet, space: JointSpace, heuristic: str,
+                 overhead_limit: float, place_options: dict[str, Any], num_cpu_devices: int,
+                 say: Callable[[str], None]) -> JointSearch:
+    """Measure ``item`` (the step after the graph passes) on one device and ``search`` its
+    traced orders; ``pipeline.optimize`` builds the options it ranks."""
+    from graphfit.remat.measure import measure_step
+    from graphfit.remat.tf_memory import tf_memory_model
+
+    say("joint: measuring the step on one device")
+    baseline = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
+    model = tf_memory_model(item, baseline.profile)
+    say(f"joint: single-device peak {baseline.peak_bytes / 2**20:.1f} MiB; searching "
+        f"{len(space.ratios)} remat budgets x {len(space.methods)} placers over "
+        f"{len(devices)} devices")
+    found = search(planning_orders(item, [model]), devices, baseline.peak_bytes, item.loss,
+                   space.ratios, space.methods, heuristic, overhead_limit, place_options,
+                   progress=True)
+    say(f"joint: {found.explanation()}")
+    return found
+
+
 def _node_ops(option: Option) -> list[list[str]]:
     """Per node of the winner's placed graph, its TF ops in execution order: the node's
     planning-graph chain (of the winner's model), named as ``remat.rewrite`` names the
@@ -351,80 +352,30 @@ def _op_ordering(option: Option) -> list[tuple[str, str]]:
             for a, b in option.placement.memory_order()]
 
 
-def fit_devices(item, target, devices: DeviceSet, *, ratios: Sequence[float] = DEFAULT_RATIOS,
-                methods: Sequence[str] = DEFAULT_METHODS, heuristic: str = "dtr",
-                overhead_limit: float = 2.0, place_options: dict[str, Any] | None = None,
-                verify: bool = True,
-                progress: Callable[[str], None] | None = None):
-    """Make ``item``'s step fit ``devices`` with the fastest mix of remat and placement.
+def build_option(item, option: Option, baseline_peak_bytes: int):
+    """The step ``option`` simulated, in TensorFlow: ``item`` rewritten by its plan
+    (``remat.rewrite``) and placed as the search placed it, each device running its ops in the
+    planned memory order (``Placement.memory_order``).
 
-    Parameters:
-        item: the training step (``models.build`` or ``profiler.tf_function``).
-        target: where it runs (``baechi.run.local_target(n)``, a cluster's ``run_target``);
-            its device names are ``devices.names``.
-        devices: memory limits and link costs of the target's devices.
-        ratios, methods, heuristic, overhead_limit, place_options: see ``search``.
-        verify: run the winner: loss and gradients against the original step, measured peak
-            per device against the plan.
-        progress: called with a line per phase (``None``: quiet); bars show on a terminal.
+    The search's placement is applied, not placed again: it was found on the calibrated
+    planning graph, whose forwarding chains and measured peaks are what TF allocates; the
+    rewritten step's own cost graph counts forwarded buffers twice and missed 10.5 MiB devices
+    by 11-277 KiB where the search fit (the demo mlp, 2026-12-06). The planning graph carries
+    TF's colocation groups (``remat.tf_memory``), so the placement keeps them.
 
     Returns:
-        A ``baechi.pipeline.OptimizeResult``: the placed, rematerialized step, its remat plan
-        (over ``plan_graph``), the placement report (planned and measured peak per device,
-        loss equality), the search (``passes[0].details``) and the planned schedule.
-
-    Raises:
-        ValueError: ``devices`` are not ``target``'s devices, or bad ratios.
-        baechi.schedule.PlacementError: no option fits (the message says what was tried).
-        profiler.step_compare.StepMismatchError: the winner computes other values.
+        ``(placed item, expanded plan or None, recomputed ops, memory-order edges)``.
     """
     from graphfit.baechi.apply import apply_placement
-    from graphfit.baechi.pipeline import OptimizeResult, PassRecord
-    from graphfit.baechi.place_and_run import check_placement
-    from graphfit.remat.measure import measure_step
     from graphfit.remat.rewrite import rewrite
-    from graphfit.remat.tf_memory import expand_plan, tf_memory_model
+    from graphfit.remat.tf_memory import expand_plan
 
-    if list(devices.names) != list(target.devices):
-        raise ValueError(f"the device set {devices.names} is not the run target's devices "
-                         f"{list(target.devices)}")
-    say = progress or (lambda _: None)
-    # Virtual CPU devices read each other's tensors in place: plan memory as it is measured.
-    place_options = {"memory_model": "shared" if target.kind == "virtual_cpu" else "liveness",
-                     **(place_options or {})}
-    began = time.perf_counter()
-    say("joint: measuring the step on one device")
-    baseline = measure_step(item, steps=3, warmup=1)
-    model = tf_memory_model(item, baseline.profile)
-    say(f"joint: single-device peak {baseline.peak_bytes / 2**20:.1f} MiB; searching "
-        f"{len(ratios)} remat budgets x {len(methods)} placers over {len(devices)} devices")
-    found = search(planning_orders(item, [model]), devices, baseline.peak_bytes, item.loss,
-                   ratios, methods, heuristic, overhead_limit, place_options,
-                   progress=progress is not None)
-    searched_s = time.perf_counter() - began
-    if found.winner is None:
-        raise PlacementError(f"no remat budget and placement fit the devices: "
-                             f"{found.explanation()}")
-    winner = found.winner
-    say(f"joint: {found.explanation()}")
     expanded, rewritten = None, item
-    if winner.plan is not None:
-        expanded = expand_plan(winner.model, winner.plan)
-        expanded.stats["baseline_peak_bytes"] = int(baseline.peak_bytes)
-        expanded.stats["recomputed_ops"] = expanded.recomputed_ops(winner.model.cost_graph)
-        rewritten = rewrite(item, winner.model.cost_graph, expanded)
-    ordering = _op_ordering(winner)
-    placed = apply_placement(rewritten, _op_devices(winner), ordering=ordering)
-    report: dict[str, Any] = {"plan": winner.placement.summary(),
-                              "planned_peak_bytes": dict(zip(devices.names, winner.peak_bytes))}
-    if verify:
-        say("joint: running the winner (loss and gradients against one device, peaks)")
-        report = check_placement(item, placed, winner.placement, target)
-    details = {"search": found.to_json(), "searched_s": searched_s,
-               "recomputed_ops": expanded.stats["recomputed_ops"] if expanded else [],
-               "placement": report, "memory_order_edges": len(ordering),
-               "baseline_peak_bytes": int(baseline.peak_bytes),
-               "baseline_step_time_us": baseline.step_time_us}
-    record = PassRecord("joint", True, time.perf_counter() - began, details)
-    return OptimizeResult(placed, expanded, report, [record], schedule=winner.placement.schedule)
-
+    if option.plan is not None:
+        expanded = expand_plan(option.model, option.plan)
+        expanded.stats["baseline_peak_bytes"] = int(baseline_peak_bytes)
+        expanded.stats["recomputed_ops"] = expanded.recomputed_ops(option.model.cost_graph)
+        rewritten = rewrite(item, option.model.cost_graph, expanded)
+    ordering = _op_ordering(option)
+    placed = apply_placement(rewritten, _op_devices(option), ordering=ordering)
+    return placed, expanded, len(ordering)

@@ -4,7 +4,7 @@
 otherwise write by hand (forward pass under a ``GradientTape``, ``model.compute_loss`` with the
 compiled loss and the model's own regularization losses, ``model.optimizer.apply_gradients``),
 traces it for the batch's shapes (``profiler.tf_function.graph_item_from_function``), runs the
-passes (``baechi.optimize``: rematerialize to the budget, checked against a real run) and
+passes (``pipeline.optimize``: rematerialize to the budget, checked against a real run) and
 returns an ``OptimizedStep`` that trains the user's model in place, one batch per call or over
 a whole data set with ``fit``. The hand-written ``@tf.function`` step path
 (``graph_item_from_function`` + ``to_callable``) stays for steps that do more.
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from graphfit.errors import GraphfitError
-from graphfit.baechi.pipeline import OptimizeResult, optimize
+from graphfit.pipeline.meta_optimizer import OptimizeResult, optimize
 from graphfit.remat.pipeline import BudgetError
 
 __all__ = ["KerasFitError", "OptimizedStep", "optimize_model"]

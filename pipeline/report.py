@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from graphfit.profiler.profile import atomic_write_json
 
 if TYPE_CHECKING:
-    from graphfit.baechi.pipeline import OptimizeResult
+    from graphfit.pipeline.meta_optimizer import OptimizeResult
 
 __all__ = ["REPORT_FILES", "write_report"]
 
@@ -222,7 +222,7 @@ def write_report(result: "OptimizeResult", directory: str,
     """Write the report files of ``result`` into ``directory`` (module docstring).
 
     Parameters:
-        result: what ``baechi.optimize`` or ``baechi.joint.fit_devices`` returned.
+        result: what ``pipeline.optimize`` returned.
         directory: created if missing; files of the same names are replaced.
         extra: JSON-ready entries added to ``report.json`` (e.g. the training run).
 

@@ -9,13 +9,13 @@ graph alone, the invariants every pass must keep, independently of the pass's ow
 - ``verify_rewrite``: a rematerialization kept every original node (name and op type), added
   only clones ``n/remat_k`` of an original ``n`` with the same op and attributes, never of a
   stateful, random or variable op (and the ``Identity`` gates and group ends of
-  ``remat.remapper_fusions``, each colocated with its node), and the plan's predicted peak is
+  ``profiler.remapper_fusions``, each colocated with its node), and the plan's predicted peak is
   within its budget.
 - ``verify_placement``: a placement changed devices only (same nodes, ops and inputs), put
   every op of the step on a device of the set, kept each group TensorFlow colocates on one
   device, and each device's planned peak within its limit.
 
-They run in the tests, and in ``baechi.optimize(..., verify_structure=True)`` (the ``train``
+They run in the tests, and in ``pipeline.optimize(..., verify_structure=True)`` (the ``train``
 binary's ``--verify_structure`` debug flag) after each pass. Each raises
 ``VerificationError`` naming the first broken invariant: that is a bug of the pass, not of
 the user's input.
@@ -38,7 +38,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.trace import step_fetches
 from graphfit.remat.plan import RematPlan
-from graphfit.remat.remapper_fusions import DONE_SUFFIX, GATE_SUFFIX
+from graphfit.profiler.remapper_fusions import DONE_SUFFIX, GATE_SUFFIX
 
 __all__ = ["VerificationError", "verify_placement", "verify_rewrite", "verify_step"]
 
@@ -99,7 +99,7 @@ def _is_stateful(op_type: str) -> bool:
 
 
 def _is_fusion_helper(name: str, nodes: dict) -> bool:
-    """Whether ``name`` is a gate or group end ``remat.remapper_fusions`` adds: an
+    """Whether ``name`` is a gate or group end ``profiler.remapper_fusions`` adds: an
     ``Identity`` of one data input, named after and colocated with a node of the step."""
     for suffix in (GATE_SUFFIX, DONE_SUFFIX):
         member = name[:-len(suffix)] if name.endswith(suffix) else None

@@ -27,7 +27,10 @@ import numpy as np
 
 from graphfit.errors import GraphfitError
 
-__all__ = ["CostGraph", "CostGraphError", "OpSpec", "gc_paused"]
+__all__ = ["CostGraph", "CostGraphError", "OpSpec", "gc_paused", "FEED_OP_TYPES"]
+
+# Ops whose output the session feeds from the client.
+FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 
 
 @contextlib.contextmanager

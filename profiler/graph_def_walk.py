@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.session import EXACT_GRAPH
 
 __all__ = ["GraphDefPassError", "split_input", "topological_order", "production_depth",
            "successors", "descendants", "ancestors", "rebuild"]
@@ -113,9 +114,10 @@ def ancestors(graph_def: tf.compat.v1.GraphDef, sinks: Iterable[str]) -> set[str
 
 
 def rebuild(item: GraphItem, graph_def: tf.compat.v1.GraphDef, config_key: str,
-            record: dict) -> GraphItem:
+            record: dict, exact_graph: bool) -> GraphItem:
     """The step ``item`` on a new graph imported from ``graph_def``, its report under
-    ``config[config_key]``.
+    ``config[config_key]``; ``exact_graph``: the rewrite added clones or ordering edges that
+    Grappler's CSE or dependency optimizer would undo (``profiler.session.EXACT_GRAPH``).
 
     Raises:
         GraphDefPassError: ``graph_def`` has a cycle or a dangling input, or lost a name the
@@ -132,4 +134,6 @@ def rebuild(item: GraphItem, graph_def: tf.compat.v1.GraphDef, config_key: str,
             raise GraphDefPassError(f"the rewritten step lost {name!r}: {error}") from error
     rewritten = item.with_graph(graph)
     rewritten.config = {**item.config, config_key: record}
+    if exact_graph:
+        rewritten.config[EXACT_GRAPH] = True
     return rewritten

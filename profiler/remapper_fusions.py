@@ -37,7 +37,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from graphfit.remat.graph_def_walk import GraphDefPassError, split_input, topological_order
+from graphfit.profiler.graph_def_walk import GraphDefPassError, split_input, topological_order
 
 __all__ = ["CONTRACTION_OP_TYPES", "ACTIVATION_OP_TYPES", "GATE_SUFFIX", "DONE_SUFFIX",
            "keep_remapper_fusions"]

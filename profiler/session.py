@@ -33,16 +33,21 @@ same Grappler defaults): the step as the user runs it today, the reference of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-__all__ = ["session_config", "user_config", "serial_config", "make_session", "step_config",
-           "onednn_enabled", "REWRITING_PASSES"]
+from graphfit.errors import GraphfitError
 
-# ``GraphItem.config`` keys the project's graph rewrites record (``remat.rewrite``,
-# ``remat.grad_accumulation``, ``remat.early_updates``): a step carrying one has clones or
-# ordering edges that CSE or the dependency optimizer would undo.
-REWRITING_PASSES = ("remat", "grad_accumulation", "early_updates", "update_order")
+__all__ = ["session_config", "user_config", "serial_config", "make_session", "step_config",
+           "onednn_enabled", "EXACT_GRAPH", "StepFailedError", "run_once"]
+
+# The ``GraphItem.config`` key a graph rewrite sets when it adds clones or ordering edges that
+# CSE or the dependency optimizer would undo (``remat.rewrite``, ``remat.grad_accumulation``,
+# ``remat.early_updates``): such a step runs under ``session_config``.
+EXACT_GRAPH = "exact_graph"
 
 
 def user_config(num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
@@ -80,11 +85,10 @@ def serial_config(config: tf.compat.v1.ConfigProto) -> tf.compat.v1.ConfigProto:
 
 def step_config(item, num_cpu_devices: int = 1) -> tf.compat.v1.ConfigProto:
     """The configuration to run ``item``'s step with: ``session_config`` when a pass of the
-    project rewrote it (``REWRITING_PASSES``), else TF's defaults (``user_config``). A step no
-    pass changed (``baechi.optimize`` without a budget) is the user's graph under the user's
+    project rewrote it exactly (``EXACT_GRAPH``), else TF's defaults (``user_config``). A step no
+    pass changed (``pipeline.optimize`` without a budget) is the user's graph under the user's
     configuration, so it is exactly as fast as the user's own."""
-    rewritten = any(key in item.config for key in REWRITING_PASSES)
-    return (session_config if rewritten else user_config)(num_cpu_devices)
+    return (session_config if item.config.get(EXACT_GRAPH) else user_config)(num_cpu_devices)
 
 
 def make_session(graph: tf.Graph, num_cpu_devices: int = 1, target: str = "",
@@ -100,3 +104,23 @@ def onednn_enabled() -> bool:
     ``TF_ENABLE_ONEDNN_OPTS``)."""
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+class StepFailedError(GraphfitError):
+    """An optimized step does not run on TensorFlow; the message has TF's error."""
+
+
+def run_once(item, what: str, session: Callable[[tf.Graph], Any]) -> None:
+    """Initialise and run one step of ``item`` in ``session(graph)``: every pass that rewrites
+    a step runs it once before handing it on, so a step that cannot run is never returned.
+
+    Raises:
+        StepFailedError: TF refused to run it (``what`` names the step in the message).
+    """
+    try:
+        with session(item.graph) as running:
+            running.run(item.init_op)
+            running.run([item.train_op, item.loss], item.feed_dict())
+    except tf.errors.OpError as error:
+        raise StepFailedError(f"the {what} step does not run on TensorFlow "
+                              f"({type(error).__name__}): {error.message}") from error

@@ -7,7 +7,7 @@ happened to start the ops in, in the traced step a memory model was calibrated o
 order, and a poor one to plan on: it interleaves independent gradient branches, keeping
 several large tensors alive at once. On a Keras attention step (2 blocks, seq 128, batch 16,
 Adam) at 0.5 of its peak, six traced orders planned (``offline``) 1.231-1.359, and the same
-six with their backward passes reordered here 1.185-1.198 (``tools.bench_reach``,
+six with their backward passes reordered here 1.185-1.198 (``bench.reach``,
 2026-12-05 03:26).
 
 The order is greedy, as a list scheduler for memory: among the ops whose predecessors have

@@ -4,7 +4,7 @@ TF's default CPU kernels for ``Conv2DBackpropFilter`` and ``Conv2DBackpropInput`
 unfold patches into a column buffer (im2col) and multiply it with a matrix. They size the
 buffer for a shard of images that fits a working set of 30 MiB whatever the batch
 (``conv_grad_filter_ops.cc``, ``conv_grad_input_ops.cc``: ``target_working_set_size``), so it
-is a fixed cost no plan can shrink: on ``tools.bench_reach``'s Keras ResNet-style step (32²,
+is a fixed cost no plan can shrink: on ``bench.reach``'s Keras ResNet-style step (32²,
 batch 32, Adam) each first-stage filter gradient took 27 MiB of temporaries beside its two
 4 MiB inputs, the planner's lower bound was 0.40-0.43 of the step's peak, and at 0.5 a plan
 had 9 MiB of room at those ops. Splitting the batch does not help (measured: a piece of 3
@@ -67,7 +67,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.conv_kernels import (CONV_GRADIENT_OP_TYPES, EIGEN_KERNEL_LABEL,
                                             takes_eigen_kernel)
 from graphfit.profiler.session import onednn_enabled
-from graphfit.remat.graph_def_walk import rebuild
+from graphfit.profiler.graph_def_walk import rebuild
 
 __all__ = ["use_eigen_conv_gradients"]
 
@@ -95,4 +95,4 @@ def use_eigen_conv_gradients(item: GraphItem) -> tuple[GraphItem, dict]:
     if not record["relabelled"]:
         return item, record
     record["changed"] = True
-    return rebuild(item, graph_def, "conv_grad_kernels", record), record
+    return rebuild(item, graph_def, "conv_grad_kernels", record, exact_graph=False), record

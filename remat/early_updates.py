@@ -26,7 +26,7 @@ never clones a variable read): a clone the plan put before the update gets its e
 the plan put after it cannot (that would be a cycle) and is counted in ``late_readers``.
 
 Edges into or out of a contraction + ``BiasAdd`` + activation group would keep Grappler's
-remapper from fusing it: ``remat.remapper_fusions`` moves them off, as after the rewrite.
+remapper from fusing it: ``profiler.remapper_fusions`` moves them off, as after the rewrite.
 
 Preconditions: an acyclic step. Postconditions: the rewritten graph imports, is acyclic, keeps
 every fetched name, no barrier ``IdentityN`` is read any more, and every read of a variable's
@@ -40,9 +40,9 @@ import collections
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
-from graphfit.remat.graph_def_walk import (GraphDefPassError, ancestors, descendants, rebuild,
+from graphfit.profiler.graph_def_walk import (GraphDefPassError, ancestors, descendants, rebuild,
                                            split_input, successors)
-from graphfit.remat.remapper_fusions import keep_remapper_fusions
+from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["VARIABLE_WRITE_OP_TYPES", "apply_updates_early", "order_updates_after_reads"]
 
@@ -135,7 +135,7 @@ def order_updates_after_reads(item: GraphItem) -> tuple[GraphItem, dict]:
     if not record["ordering_edges"]:
         return item, record
     record["remapper_groups_freed"] = keep_remapper_fusions(graph_def)["freed"]
-    return rebuild(item, graph_def, "update_order", record), record
+    return rebuild(item, graph_def, "update_order", record, exact_graph=True), record
 
 
 def _remove_barriers(graph_def: tf.compat.v1.GraphDef, gradients: set[str]) -> int:
@@ -197,4 +197,4 @@ def apply_updates_early(item: GraphItem) -> tuple[GraphItem, dict]:
     record = {"changed": True, "barriers": barriers,
               "ordering_edges": _order(graph_def, item.train_op)["ordering_edges"],
               "remapper_groups_freed": keep_remapper_fusions(graph_def)["freed"]}
-    return rebuild(item, graph_def, "early_updates", record), record
+    return rebuild(item, graph_def, "early_updates", record, exact_graph=True), record

@@ -38,7 +38,7 @@ import collections
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
-from graphfit.remat.graph_def_walk import GraphDefPassError, production_depth, rebuild, split_input
+from graphfit.profiler.graph_def_walk import GraphDefPassError, production_depth, rebuild, split_input
 
 __all__ = ["SUM_OP_TYPES", "accumulate_gradients"]
 
@@ -134,4 +134,4 @@ def accumulate_gradients(item: GraphItem, min_inputs: int = 3) -> tuple[GraphIte
         record["contributions"] += len(contributions)
         record["largest"] = max(record["largest"], len(contributions))
     _check_chains(graph_def, chains, depth)
-    return rebuild(item, graph_def, "grad_accumulation", record), record
+    return rebuild(item, graph_def, "grad_accumulation", record, exact_graph=True), record

@@ -1,16 +1,11 @@
 """The rematerialization pass as one call: cost graph -> plan under a budget -> rewritten step.
 
-``prepare_step`` runs the GraphDef passes that lower the step's memory before it is profiled
-(``GRAPH_PASSES``: ``remat.conv_grad_kernels``, ``remat.flat_matmuls``,
-``remat.grad_accumulation``, ``remat.early_updates``); they free memory that no recomputation
-can (a kernel's scratch buffer, partial weight gradients, gradients waiting for a sum or for
-the optimizer) or time it can spend (batch products run as one), and because they run before
-profiling, the planner sees what they freed.
-
 ``rematerialize`` chains the pieces of ``remat``: a cost graph calibrated to what TF's executor
 allocates, with forwarding chains as planning nodes (``remat.tf_memory``), a planner (a DTR heuristic of ``remat.simulator``, or a
 baseline: ``checkpoint_all``, ``chen_sqrt_n``, ``chen_greedy``, ``checkmate``), and the graph
-rewrite (``remat.rewrite``). ``plan_for_budget`` is the planning step alone, for sweeps.
+rewrite (``remat.rewrite``). ``plan_for_budget`` is the planning step alone, for sweeps. The
+graph passes that free memory before profiling are listed in ``pipeline.passes``;
+``remat.closed_loop`` holds a plan to the measured peak.
 """
 
 from __future__ import annotations
@@ -30,13 +25,8 @@ if TYPE_CHECKING:   # both import TF; annotations only
     from graphfit.remat.step_time import StepTraces
     from graphfit.remat.tf_memory import MemoryModel
 
-__all__ = ["PLANNERS", "BASELINE_PLANNERS", "GRAPH_PASSES", "BudgetError", "cheapest_plan",
-           "plan_for_budget", "planning_orders", "prepare_step", "rematerialize",
-           "resident_outputs"]
-
-# The passes before profiling, in order; each is item -> (item, JSON-ready record with
-# "changed").
-GRAPH_PASSES = ("conv_grad_kernels", "flat_matmuls", "grad_accumulation", "early_updates")
+__all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "cheapest_plan", "plan_for_budget",
+           "planning_orders", "rematerialize", "resident_outputs"]
 
 BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
 
@@ -56,35 +46,6 @@ class BudgetError(GraphfitError, ValueError):
     def __init__(self, message: str, budget_bytes: int, minimum_bytes: int):
         super().__init__(message)
         self.budget_bytes, self.minimum_bytes = int(budget_bytes), int(minimum_bytes)
-
-
-def prepare_step(item: GraphItem, skip: "set[str] | frozenset[str]" = frozenset()
-                 ) -> tuple[GraphItem, dict[str, dict]]:
-    """Run the ``GRAPH_PASSES`` not in ``skip`` over ``item``, in order.
-
-    Returns:
-        ``(step, records)``: the rewritten step and, per pass name, its record (``changed``,
-        what it rewrote, ``seconds``; ``{"skipped": "skip"}`` for a skipped pass).
-    """
-    import time
-
-    from graphfit.remat.conv_grad_kernels import use_eigen_conv_gradients
-    from graphfit.remat.early_updates import apply_updates_early
-    from graphfit.remat.flat_matmuls import flatten_shared_matmuls
-    from graphfit.remat.grad_accumulation import accumulate_gradients
-
-    passes = {"conv_grad_kernels": use_eigen_conv_gradients,
-              "flat_matmuls": flatten_shared_matmuls,
-              "grad_accumulation": accumulate_gradients, "early_updates": apply_updates_early}
-    records = {}
-    for name in GRAPH_PASSES:
-        if name in skip:
-            records[name] = {"changed": False, "skipped": "skip"}
-            continue
-        begin = time.perf_counter()
-        item, record = passes[name](item)
-        records[name] = {**record, "seconds": round(time.perf_counter() - begin, 3)}
-    return item, records
 
 
 def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int]:
@@ -278,7 +239,7 @@ def rematerialize(item: GraphItem,
             (``remat.side_by_side``), so TF's inter-op threads are not all lost to the chain.
             Off by default: the bound rests on the plan's op sizes, which a run can miss
             (the earlier two-event window measured 1.04-1.19 of the plan on a Keras
-            attention step in 4 of 11 runs), so ``baechi.optimize`` uses it only when it
+            attention step in 4 of 11 runs), so ``pipeline.optimize`` uses it only when it
             measures the step. ``False`` chains the backward pass strictly in plan order.
         step_traces: traces of the step and of the user's
             (``remat.step_time.trace_for_prediction``):

@@ -3,7 +3,7 @@
 A plan (``remat.plan``) says in which order a step computes, recomputes and frees; the placer
 and the schedule simulator read a ``CostGraph``. ``recompute_graph`` unrolls a plan into the
 graph the rewritten step will run, on the IR alone, so a search over budgets and placements
-(``baechi.joint``) can simulate many plans without building a TensorFlow graph for each:
+(``pipeline.joint``) can simulate many plans without building a TensorFlow graph for each:
 
 - the ``k``-th recomputation of op ``n`` is a node ``remat.rewrite.clone_name(n, k)`` with the
   op's costs (its persistent bytes stay with the original: constants are never cloned);

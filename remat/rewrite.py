@@ -52,7 +52,7 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   from the latest earlier event that is not one of its data inputs: that event has finished
   anyway, so the edge changes no order, and it keeps the node out of the regrouping.
 - **Floating events where memory allows** (``remat.pipeline.rematerialize(...,
-  side_by_side=True)``; ``baechi.optimize`` when it verifies). A strict chain also takes TF's
+  side_by_side=True)``; ``pipeline.optimize`` when it verifies). A strict chain also takes TF's
   inter-op parallelism from the backward pass (on a Keras attention step 1.21-1.24x the
   user's step with nothing recomputed). ``remat.side_by_side`` marks the events that may run
   as soon as their inputs exist without the plan's peak noticing (``floating``): such a node
@@ -78,7 +78,7 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   plan never puts another op between the two.
 - **Grappler's remapper fusions.** The remapper runs a ``MatMul``/``Conv2D`` with its
   ``BiasAdd`` and activation as one kernel only when none of them has a control edge, which
-  the pinning gives them; ``remat.remapper_fusions`` then moves those edges onto gates and onto
+  the pinning gives them; ``profiler.remapper_fusions`` then moves those edges onto gates and onto
   the group's end, so clones run fused as in the user's step.
 - **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
   repeated after the optimizer wrote the variable would see the new value) and placeholders
@@ -111,12 +111,12 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.tf_function import BACKWARD_SCOPE
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
-from graphfit.profiler.session import session_config
+from graphfit.profiler.session import EXACT_GRAPH, session_config
 from graphfit.profiler.trace import step_fetches
-from graphfit.remat.graph_def_walk import GraphDefPassError, topological_order
+from graphfit.profiler.graph_def_walk import GraphDefPassError, topological_order
 from graphfit.remat.grappler_pins import repin_removed_anchors
 from graphfit.remat.recompute_graph import clone_name
-from graphfit.remat.remapper_fusions import keep_remapper_fusions
+from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
 
@@ -538,5 +538,6 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
                                   "unfused_pairs": unfused,
                                   "remapper_groups_freed": fusions["freed"],
                                   "pinned_from": pinned_from if pin_order != "clones" else None,
-                                  "method": plan.method}}
+                                  "method": plan.method},
+                        EXACT_GRAPH: True}
     return rewritten

@@ -31,7 +31,7 @@ chain's inputs, so the rewrite holds every floating op of a chain until each of 
 (``remat.rewrite._hold_floating_chains``; without that, a chain's first op ran ahead and the
 mlp ``activations`` step measured 1 MiB over its plan in 11 of 20 traced runs of five plans,
 with it in 4 of 20). The bound still misses on that step: 12 of 32 runs of eight plans
-measured 0.25-1 MiB over (2026-12-05), which is why ``baechi.optimize`` measures every
+measured 0.25-1 MiB over (2026-12-05), which is why ``pipeline.optimize`` measures every
 floating step and falls back to the strict chain when one misses its budget, or its plan by
 more than 5%. The
 rewrite may still pin an event chosen here (a ``Mul`` or ``Add``, which Grappler regroups
@@ -45,12 +45,12 @@ updates float measured 1.112 of the budget (one run); with them pinned 0.996 and
 runs, new plans), the strict chain 0.996-1.022.
 
 Measured (one plan at 0.5 of the measured peak, ``offline``, oneDNN off, idle VM, timed side
-by side with the user's step, ``tools.bench_side_by_side``): see that benchmark's JSON and
+by side with the user's step, ``bench.side_by_side``): see that benchmark's JSON and
 the README. On the Keras attention step (4 heads, seq 128, batch 16, SGD) 536 events
 floated; the step took 1.402x the user's against 1.492x with the strict chain, at its plan's
 peak (2026-12-05 00:29; a plan of 2026-12-04: 1.300x against 1.402x).
 
-Where the rest goes (2026-12-05 05:20, the Keras attention step of ``tools.bench_reach``, with
+Where the rest goes (2026-12-05 05:20, the Keras attention step of ``bench.reach``, with
 Adam; one plan at 0.5 recomputing 1.146x, rewritten several ways and timed side by side with
 the user's step, 11 rounds): strict chain 1.408x, floating 1.343x; with every event floating
 that is not stateful (the bound off: about 45 more, the large products of the tightest

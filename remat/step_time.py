@@ -12,7 +12,7 @@ chain. The prediction replays the rewritten graph itself (``remat.executor_model
   step with every op chained in its traced order by the rewrite and nothing recomputed, so ops
   run one at a time, each with the whole intra-op pool, in the same runtime and configuration
   as the rewritten step's chain. Ops Grappler's remapper ran inside their reader, or removed,
-  cost 0 (``remat.remapper_fusions`` keeps clones fused the same way);
+  cost 0 (``profiler.remapper_fusions`` keeps clones fused the same way);
 - the replay's ``sharing`` (how much ops running together slow each other) is fitted once per
   step, so that the step before the rewrite replays in its measured (traced) wall time;
 - the replayed rewritten step splits at the chain's start into a forward part, which runs as
@@ -25,7 +25,7 @@ Measured on 2026-12-06 on six models (zoo mlp, transformer and resnet ``activati
 attention, conv and depthwise steps; plans at 0.5 of the peak), the user's step, the step as it
 runs, its serial chain and the rewritten step traced side by side in one process: the replay
 put the rewritten steps' traced walls within 6% of the measured ones, and measured / predicted
-was 0.978-1.045 on these traces. Inside ``baechi.optimize``, whose traces are taken a minute
+was 0.978-1.045 on these traces. Inside ``pipeline.optimize``, whose traces are taken a minute
 before its own measurement, measured / predicted was 0.996-1.052; with the sum of op times per
 regime that replaced, 0.915-1.025 in the run before, lowest where many events float (resnet,
 depthwise).
@@ -36,8 +36,8 @@ between 20 and 32 ms from one minute to the next, and a prediction made of walls
 moved with it (1.10-1.46 of the user's step in four runs). The prediction is made per round,
 against the user's step of the same round, and the median taken.
 
-The prediction is compared with the measured step by ``baechi.pipeline`` (``verify``) and
-``tools.bench_grappler``: planned = measured.
+The prediction is compared with the measured step by ``pipeline.optimize`` (``verify``) and
+``bench.grappler``: planned = measured.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from graphfit.profiler.session import step_config, user_config
 from graphfit.profiler.trace import step_fetches
 from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.executor_model import fit_sharing, simulate_step
-from graphfit.remat.graph_def_walk import ancestors, split_input
+from graphfit.profiler.graph_def_walk import ancestors, split_input
 from graphfit.remat.plan import RECOMPUTE, RematPlan
 from graphfit.remat.recompute_graph import clone_name, original_name
 from graphfit.remat.rewrite import rewrite

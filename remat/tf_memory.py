@@ -77,7 +77,7 @@ import dataclasses
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
-from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.cost_graph import FEED_OP_TYPES, CostGraph, OpSpec
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import make_session
 from graphfit.profiler.tf_import import cost_graph_from_graph
@@ -86,7 +86,6 @@ from graphfit.remat.plan import FREE, Event, RematPlan
 __all__ = ["MemoryModel", "StepTrace", "trace_step", "step_trace", "tf_memory_model", "expand_plan",
            "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES", "FEED_OP_TYPES", "FUSABLE_PAIRS"]
 
-FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 _SOURCE_OP_TYPES = FEED_OP_TYPES | {"Const"}
 # Ops whose outputs are their inputs, unchanged: views of the input buffers.
 IDENTITY_OP_TYPES = frozenset({"Identity", "IdentityN"})
@@ -289,6 +288,26 @@ def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
     return taken
 
 
+def _chain_colocation_labels(graph: CostGraph, chains: list[list[int]], head_of: dict[str, int],
+                             node_name: list[str]) -> list[str]:
+    """One colocation label per chain node, such that nodes share a label exactly when TF would
+    keep some of their ops on one device: ops with one ``_class`` label, or an op and the op its
+    label names (``baechi.grouping.tf_colocation_groups``'s rule). A node carries one label
+    while its ops may carry several: without this, joint placement split e.g. the zoo resnet's
+    ``gradients/AddN_1`` from the ``Conv2DBackpropInput`` colocated with it."""
+    import networkx as nx
+
+    chains_of = nx.utils.UnionFind(range(len(chains)))
+    by_label: dict[str, int] = {}
+    for c, chain in enumerate(chains):
+        for j in chain:
+            own = graph.colocation_groups[j]
+            chains_of.union(by_label.setdefault(own, c), c)
+            if own in head_of:
+                chains_of.union(head_of[own], c)
+    return [node_name[chains_of[c]] for c in range(len(chains))]
+
+
 def _collapse_chains(graph: CostGraph, forwarded_into: dict[str, str],
                      view_reads: dict[str, list[tuple[str, int]]]
                      ) -> tuple[CostGraph, list[list[int]]]:
@@ -307,6 +326,7 @@ def _collapse_chains(graph: CostGraph, forwarded_into: dict[str, str],
             head_of[graph.names[j]] = len(chains)
         chains.append(chain)
     node_name = [graph.names[chain[-1]] for chain in chains]
+    label = _chain_colocation_labels(graph, chains, head_of, node_name)
     specs = []
     for chain in chains:
         members = set(chain)
@@ -327,7 +347,7 @@ def _collapse_chains(graph: CostGraph, forwarded_into: dict[str, str],
             compute_us=float(graph.compute_us[chain].sum()),
             temp_bytes=int(graph.temp_bytes[chain].max()),
             persistent_bytes=int(graph.persistent_bytes[chain].sum()),
-            device=graph.devices[last], colocation_group=graph.colocation_groups[last],
+            device=graph.devices[last], colocation_group=label[head_of[graph.names[last]]],
             is_stateful=bool(graph.is_stateful[chain].any()),
             is_random=bool(graph.is_random[chain].any()),
             is_variable=bool(graph.is_variable[chain].any()),

@@ -17,7 +17,7 @@ import tensorflow as tf
 from absl import flags
 
 from graphfit import models
-from graphfit.baechi import optimize
+from graphfit.pipeline import optimize
 from graphfit.baechi.devices import DeviceError, DeviceSet, LinkCost, parse_comm_coeffs
 from graphfit.errors import ArgumentError, GraphfitError
 from graphfit.models.graph_item import GraphItem
@@ -309,20 +309,20 @@ def tiny_mlp():
     (dict(memory_ratio=0.5, memory_budget=10), "not both"),
 ])
 def test_optimize_checks_arguments_before_profiling(tiny_mlp, kwargs, message, monkeypatch):
-    import graphfit.baechi.pipeline as pipeline
+    import graphfit.pipeline.meta_optimizer as pipeline
 
     def no_profiling(*args, **kw):
         raise AssertionError("profiled before checking the arguments")
 
     monkeypatch.setattr(pipeline, "profile_graph", no_profiling)
-    monkeypatch.setattr(pipeline, "_remat_pass", no_profiling)
+    monkeypatch.setattr(pipeline, "fit_budget", no_profiling)
     with pytest.raises(ArgumentError) as error:
         optimize(tiny_mlp, progress=None, **kwargs)
     assert message in str(error.value)
 
 
 def test_optimize_accepts_a_size_string(tiny_mlp, monkeypatch):
-    import graphfit.baechi.pipeline as pipeline
+    import graphfit.pipeline.meta_optimizer as pipeline
 
     seen = {}
 
@@ -330,7 +330,7 @@ def test_optimize_accepts_a_size_string(tiny_mlp, monkeypatch):
         seen["budget"] = budget_bytes
         raise GraphfitError("stop here")
 
-    monkeypatch.setattr(pipeline, "_remat_pass", fake_remat)
+    monkeypatch.setattr(pipeline, "fit_budget", fake_remat)
     with pytest.raises(GraphfitError, match="stop here"):
         optimize(tiny_mlp, memory_budget="1MiB", progress=None)
     assert seen["budget"] == 2**20

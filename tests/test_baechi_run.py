@@ -21,7 +21,7 @@ from graphfit.baechi.run import (PLACEMENT_RTOL, MemoryLimitError, local_target,
                         measure_placed_run)
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.step_compare import compare_steps
-from graphfit.remat.remapper_fusions import DONE_SUFFIX
+from graphfit.profiler.remapper_fusions import DONE_SUFFIX
 from graphfit.profiler.tf_import import cost_graph_from_graph, step_operations
 from graphfit.profiler.trace import step_fetches
 
@@ -228,7 +228,7 @@ def test_gated_sends_of_the_repair_step_leave_after_their_gate():
     assert len(gates) == len(reads)
     for op in gates.values():  # on the sending device, after its gate, read by the readers
         read = reads[int(op.name.rsplit("_", 1)[1])]
-        # the gate, or the end of the remapper group it fused into (remat.remapper_fusions
+        # the gate, or the end of the remapper group it fused into (profiler.remapper_fusions
         # moves control readers of a group's members there when ordering edges are written)
         gate = [c.name for c in op.control_inputs]
         assert op.device == read["src"] and len(gate) == 1

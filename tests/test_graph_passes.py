@@ -20,7 +20,7 @@ from graphfit.remat.early_updates import (apply_updates_early,  # noqa: E402
                                           order_updates_after_reads)
 from graphfit.remat.grad_accumulation import accumulate_gradients  # noqa: E402
 from graphfit.remat.tf_memory import step_item  # noqa: E402
-from graphfit.tools.bench_reach import keras_step_item  # noqa: E402
+from graphfit.bench.reach import keras_step_item  # noqa: E402
 
 STEPS, WIDTH, BATCH = 12, 512, 4
 

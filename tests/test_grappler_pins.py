@@ -8,7 +8,7 @@ import tensorflow as tf
 from graphfit import models
 from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import cost_graph_from_graph
-from graphfit.remat.graph_def_walk import ancestors
+from graphfit.profiler.graph_def_walk import ancestors
 from graphfit.remat.grappler_pins import optimized_graph_def, repin_removed_anchors, stand_ins
 from graphfit.remat.rewrite import rewrite
 from graphfit.remat.schedule import plan_from_schedule

@@ -1,4 +1,4 @@
-"""Joint remat + placement (``baechi.joint``) on the IR, and the joint demo end to end: the train
+"""Joint remat + placement (``pipeline.joint``) on the IR, and the joint demo end to end: the train
 binary with ``--joint --report_dir`` on four virtual CPU devices, planned against measured."""
 
 import json
@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.joint import fit_devices, search
-from graphfit.baechi.pipeline import PEAK_TOLERANCE
-from graphfit.baechi.report import REPORT_FILES
+from graphfit.pipeline.joint import JointSpace, search
+from graphfit.pipeline.meta_optimizer import optimize
+from graphfit.pipeline.report import REPORT_FILES
 from graphfit.baechi.schedule import MIN_DURATION_US, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.remat.baselines import checkpoint_all
+from graphfit.remat.closed_loop import PEAK_TOLERANCE
 from graphfit.remat.pipeline import plan_for_budget
 from graphfit.remat.recompute_graph import recompute_graph
 from graphfit.remat.tf_memory import MemoryModel
@@ -125,7 +126,7 @@ def test_joint_demo_trains_and_measures_what_it_planned(demo):
     winner, place_only = search_report["winner"], search_report["place_only"]
     assert winner["fits"]
     assert not place_only["fits"] or winner["makespan_us"] <= place_only["makespan_us"]
-    place = report["joint"]["placement"]
+    place = report["place"]
     assert place["equal_to_single_device"]
     # Planned = measured to the byte on most devices in most runs. TF's executor does not
     # follow the simulated schedule exactly across devices (the forward pass is not pinned,
@@ -156,7 +157,7 @@ def test_report_dir_holds_every_file_a_person_reads(demo):
     trace = json.loads((directory / "schedule_trace.json").read_text())
     processes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert processes == {f"/device:CPU:{i}" for i in range(4)}
-    recomputed = data["joint"]["recomputed_ops"]
+    recomputed = data.get("remat", {}).get("recomputed_ops", [])
     assert any("/remat_" in e["name"] for e in trace["traceEvents"] if e["ph"] == "X") == bool(
         recomputed)
     plan = (directory / "remat_plan.md").read_text()
@@ -198,10 +199,10 @@ def test_placed_step_with_its_memory_order_runs_within_the_limits():
                         input_dim=256)
     target = local_target(4)
     devices = DeviceSet.uniform(list(target.devices), "4.5MiB", "0.0001754,134")
-    result = fit_devices(item, target, devices, ratios=(1.0,), methods=("m_etf",))
-    details = result.passes[0].details
-    place = details["placement"]
-    assert details["memory_order_edges"] > 0 and place["equal_to_single_device"]
+    result = optimize(item, joint=JointSpace((1.0,), ("m_etf",)), target=target,
+                      devices=devices, progress=None)
+    place = result.report()["place"]
+    assert place["memory_order_edges"] > 0 and place["equal_to_single_device"]
     for device in place["devices"]:
         assert place["measured_peak_bytes"][device] <= \
             place["limit_bytes"][device] * (1 + PEAK_TOLERANCE)

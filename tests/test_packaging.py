@@ -34,7 +34,7 @@ def test_wheel_holds_only_the_graphfit_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"graphfit", "-".join(wheel.name.split("-")[:2]) + ".dist-info"}
-    for package in ("models", "profiler", "remat", "baechi", "tools"):
+    for package in ("models", "profiler", "remat", "baechi", "pipeline", "tools", "bench"):
         assert f"graphfit/{package}/__init__.py" in names
     assert "graphfit/tools/sweep_configs/ablation.json" in names
 

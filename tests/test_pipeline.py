@@ -1,8 +1,8 @@
-"""``baechi.optimize``: the passes in sequence on a real step, each checked against TF."""
+"""``pipeline.optimize``: the passes in sequence on a real step, each checked against TF."""
 
 import pytest
 
-from graphfit import baechi
+from graphfit import pipeline
 from graphfit import models
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.run import local_target
@@ -17,7 +17,7 @@ def item():
 def test_remat_then_place_keeps_the_step_and_meets_the_plan(item):
     target = local_target(2)
     devices = DeviceSet.uniform(list(target.devices), 1 << 30, "0.0001754,134")
-    result = baechi.optimize(item, memory_ratio=0.6, target=target, devices=devices,
+    result = pipeline.optimize(item, memory_ratio=0.6, target=target, devices=devices,
                              place_options={"method": "m_etf"}, progress=None)
     report = result.report()
     remat = report["remat"]
@@ -35,7 +35,7 @@ def test_remat_then_place_keeps_the_step_and_meets_the_plan(item):
 
 
 def test_passes_are_skippable_and_say_why(item):
-    result = baechi.optimize(item, memory_ratio=0.7, skip=["remat"], progress=None)
+    result = pipeline.optimize(item, memory_ratio=0.7, skip=["remat"], progress=None)
     report = result.report()
     assert report["remat"] == {"changed": False, "seconds": 0.0, "skipped": "skip"}
     assert report["place"]["skipped"] == "one device"
@@ -44,9 +44,9 @@ def test_passes_are_skippable_and_say_why(item):
 
 def test_unknown_pass_and_conflicting_budgets_are_errors(item):
     with pytest.raises(ValueError, match="unknown pass"):
-        baechi.optimize(item, skip=["fuse_everything"], progress=None)
+        pipeline.optimize(item, skip=["fuse_everything"], progress=None)
     with pytest.raises(ValueError, match="not both"):
-        baechi.optimize(item, memory_budget=1 << 20, memory_ratio=0.5, progress=None)
+        pipeline.optimize(item, memory_budget=1 << 20, memory_ratio=0.5, progress=None)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
 def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(narrow_item,
                                                                               monkeypatch):
     planning_budgets = _inflate_first_rounds(monkeypatch, rounds=2)
-    remat = baechi.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
+    remat = pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
     first, strict, lower = remat["rounds"]
     assert first["measured_peak_bytes"] > 1.05 * remat["budget_bytes"]
     # First the events side by side are taken back, at the same budget; then the budget.
@@ -103,34 +103,34 @@ def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(narrow_item
         return report
 
     monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
-    remat = baechi.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
+    remat = pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
     assert remat["measured_peak_bytes"] > remat["planned_peak_bytes"]
     assert len(remat["rounds"]) == 1 and remat["side_by_side_events"] > 0
 
 
 def test_without_verifying_the_backward_pass_is_a_strict_chain(item):
     """Events side by side can exceed their plan; only a measured step may keep them."""
-    remat = baechi.optimize(item, memory_ratio=0.7, verify=False, progress=None).report()["remat"]
+    remat = pipeline.optimize(item, memory_ratio=0.7, verify=False, progress=None).report()["remat"]
     assert remat["changed"] and remat["side_by_side_events"] == 0
 
 
 @pytest.mark.slow
 def test_a_budget_missed_every_round_fails_with_the_numbers(narrow_item, monkeypatch):
-    from graphfit.baechi.pipeline import MAX_PLAN_ROUNDS
+    from graphfit.remat.closed_loop import MAX_PLAN_ROUNDS
     from graphfit.remat.pipeline import BudgetError
 
     _inflate_first_rounds(monkeypatch, rounds=MAX_PLAN_ROUNDS)
     # Either every round is measured over, or planning for the lowered budget fails: both
     # name the rounds' numbers.
     with pytest.raises(BudgetError, match=r"after \d rounds: planned for"):
-        baechi.optimize(narrow_item, memory_ratio=0.7, progress=None)
+        pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None)
 
 
 def test_a_step_that_cannot_run_is_never_returned():
     import numpy as np
     import tensorflow as tf
 
-    from graphfit.baechi.pipeline import StepFailedError, _run_once
+    from graphfit.profiler.session import StepFailedError, run_once
     from graphfit.models.graph_item import GraphItem
     from graphfit.profiler.session import make_session
 
@@ -143,7 +143,7 @@ def test_a_step_that_cannot_run_is_never_returned():
     broken = GraphItem(graph, train.name, loss.name, [], init.name,
                        {"x:0": np.zeros(4, np.float32)})
     with pytest.raises(StepFailedError, match="rematerialized step does not run"):
-        _run_once(broken, "rematerialized", make_session)
+        run_once(broken, "rematerialized", make_session)
 
 
 def test_the_plan_is_the_cheapest_of_several_traced_orders(narrow_item):

@@ -1,5 +1,5 @@
 """Grappler's remapper fuses MatMul/Conv2D + BiasAdd + activation only when no member has a
-control edge; ``remat.remapper_fusions`` moves the ordering edges of a rewritten step off such
+control edge; ``profiler.remapper_fusions`` moves the ordering edges of a rewritten step off such
 groups, keeping what runs after what."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tensorflow as tf
 from graphfit import models
 from graphfit.profiler.session import session_config
 from graphfit.profiler.tf_import import cost_graph_from_graph
-from graphfit.remat.remapper_fusions import keep_remapper_fusions
+from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 from graphfit.remat.rewrite import rewrite
 from graphfit.remat.schedule import plan_from_schedule
 

@@ -9,7 +9,7 @@ from graphfit.remat.checkmate import NoScheduleFoundError, checkmate_milp, stage
 from graphfit.remat.checkmate_lp import checkmate_lp
 from graphfit.remat.schedule import plan_from_schedule, schedule_cost
 from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes, replay_plan
-from graphfit.tools.bench_remat_milp import activation_heavy
+from graphfit.bench.remat_milp import activation_heavy
 
 
 def _between(graph, fraction: float) -> int:

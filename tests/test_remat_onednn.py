@@ -77,10 +77,10 @@ def _fused_kernels(item, config) -> dict[str, int]:
 def _update_chains(item) -> dict[str, int]:
     """How many filter gradients (``Conv2DBackpropFilter``) the step has, and how many start
     a planning node that ends in the SGD update's ``Mul``, which writes into their buffer."""
-    from graphfit.remat.pipeline import prepare_step
+    from graphfit.pipeline.passes import run_graph_passes
     from graphfit.remat.tf_memory import tf_memory_model
 
-    model = tf_memory_model(prepare_step(item)[0])
+    model = tf_memory_model(run_graph_passes(item)[0])
     types = model.cost_graph.op_types
     return {"filter_gradients": types.count("Conv2DBackpropFilter"),
             "chained_into_update": sum(types[m[0]] == "Conv2DBackpropFilter"
@@ -91,10 +91,10 @@ def _report() -> list[dict]:
     """Run in a subprocess (oneDNN is chosen when TF loads): the fused kernels of the step and
     of its unfused twin (the gradient check's noise reference), the filter gradients whose
     update writes into their buffer, and optimize at ``RATIO``."""
-    from graphfit.baechi.pipeline import optimize
+    from graphfit.pipeline.meta_optimizer import optimize
     from graphfit.profiler.session import session_config
     from graphfit.profiler.step_compare import unfused_twin
-    from graphfit.tools.bench_grappler import keras_step
+    from graphfit.bench.grappler import keras_step
 
     # keras_step("conv"): ZeroPadding2D, Conv2D with bias, BatchNorm, residual adds; SGD.
     item = keras_step("conv", batch=16)

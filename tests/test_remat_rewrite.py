@@ -68,7 +68,7 @@ def test_hand_plan_clones_rewires_and_keeps_numbers():
     assert set(clones) == {"layer_0/MatMul/remat_1", "layer_0/BiasAdd/remat_1",
                            "layer_0/Relu/remat_1"}
     # The first clone is anchored, through a gate on its input that keeps the remapper's
-    # MatMul + BiasAdd + Relu fusion (remat.remapper_fusions).
+    # MatMul + BiasAdd + Relu fusion (profiler.remapper_fusions).
     gate = clones["layer_0/MatMul/remat_1"].inputs[0].op
     assert gate.type == "Identity" and gate.control_inputs, "the first clone must be anchored"
     assert [t.op.name for t in clones["layer_0/Relu/remat_1"].inputs] == [

@@ -195,7 +195,7 @@ def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
 
 
 def test_an_untouched_step_runs_as_the_user_runs_it():
-    from graphfit.baechi.pipeline import optimize
+    from graphfit.pipeline.meta_optimizer import optimize
 
     item = models.build("mlp", preset="tiny")
     result = optimize(item, progress=None)

@@ -259,7 +259,7 @@ def test_callable_needs_the_function_item(traced):
 
 
 def test_optimize_rematerializes_a_keras_step_within_its_prediction():
-    """``baechi.optimize`` on a Keras 3 step: the calibrated memory model must see through
+    """``pipeline.optimize`` on a Keras 3 step: the calibrated memory model must see through
     the optimizer's ``IdentityN`` over all gradients (a view, not new buffers), so the plan
     fits, the measured peak matches the prediction, and the rewritten step trains the model
     like the original one."""
@@ -279,7 +279,7 @@ def test_optimize_rematerializes_a_keras_step_within_its_prediction():
              rng.integers(0, 10, 1024).astype(np.int32))
     model, opt, train_step = mlp_step()
     reference_model, reference_opt, reference_step = mlp_step()
-    result = baechi.optimize(graph_item_from_function(train_step, *batch), memory_ratio=0.7,
+    result = pipeline.optimize(graph_item_from_function(train_step, *batch), memory_ratio=0.7,
                              progress=None)
     report = result.report()["remat"]
     assert report["changed"] and report["num_recomputes"] > 0

@@ -11,7 +11,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from graphfit.baechi.keras_fit import KerasFitError, optimize_model  # noqa: E402
+from graphfit.pipeline.keras_fit import KerasFitError, optimize_model  # noqa: E402
 
 BATCH, FEATURES, CLASSES = 1024, 256, 10
 

@@ -168,7 +168,7 @@ def test_unrolled_lstm_is_rematerialized_and_trains_like_the_keras_step():
     model, _, train_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
     reference_model, _, reference_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
     item = graph_item_from_function(train_step, *batch)
-    result = baechi.optimize(item, memory_ratio=0.5, remat_heuristic="offline", progress=None)
+    result = pipeline.optimize(item, memory_ratio=0.5, remat_heuristic="offline", progress=None)
     report = result.report()["remat"]
     assert report["num_recomputes"] > 0
     assert report["gradients_match"] and report["loss_match"]

@@ -1,4 +1,4 @@
-"""The structural verifiers (baechi.verify) on real rewrites and placements, and on broken ones."""
+"""The structural verifiers (pipeline.verify) on real rewrites and placements, and on broken ones."""
 
 import pytest
 import tensorflow as tf
@@ -6,7 +6,7 @@ import tensorflow as tf
 from graphfit import models
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place_and_run import place_item
-from graphfit.baechi.verify import (VerificationError, verify_placement, verify_rewrite,
+from graphfit.pipeline.verify import (VerificationError, verify_placement, verify_rewrite,
                                     verify_step)
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.profiler.trace import step_fetches

@@ -6,7 +6,7 @@ The Baechi-style entry point (``bazel-bin/train`` or ``python -m graphfit.tools.
     python -m graphfit.tools.train --model_name=mlp --costgen --cost_path=out/mlp_costs.json
 
 It prints the median step time and the peak memory of the step, and writes a JSON report
-(``--report_path``). The passes are ``baechi.optimize``'s: with ``--memory_budget`` or
+(``--report_path``). The passes are ``pipeline.optimize``'s: with ``--memory_budget`` or
 ``--memory_ratio`` the step is first rematerialized and the report compares planned and
 measured peak and overhead. With ``--num_devices`` > 1 the step is placed (Baechi: ``--placement_method``,
 ``--placer_type``, ``--grouper``, memory and communication flags), applied, checked against the
@@ -74,18 +74,21 @@ flags.DEFINE_float("memory_fraction", 1.0, "Fraction of --device_memory the plac
                    lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favourite child.")
 flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
+flags.DEFINE_list("skip_passes", [], "Passes not to run, comma-separated, of "
+                  "pipeline.passes.PASSES: conv_grad_kernels, flat_matmuls, grad_accumulation, "
+                  "early_updates, remat, place.")
 flags.DEFINE_boolean("verify_structure", False, "Debugging: after each pass, verify the "
                      "step's structure (acyclic, every read version exists, no stateful clone, "
-                     "colocation and limits kept; baechi/verify.py).")
+                     "colocation and limits kept; pipeline/verify.py).")
 flags.DEFINE_enum("cluster", "local", ["local", "grpc"], "Where --num_devices > 1 runs: "
                   "this process (GPUs or virtual CPUs) or local TF gRPC worker processes.")
 flags.DEFINE_boolean("joint", False, "With --num_devices > 1: decide the remat budget and the "
-                     "placement together (baechi.joint): the fastest simulated step that fits "
+                     "placement together (pipeline.joint): the fastest simulated step that fits "
                      "every device of --device_memory; compares with remat only and place only.")
 flags.DEFINE_list("joint_ratios", None, "With --joint: remat budgets to search, as fractions of "
-                  "the measured peak (default: baechi.joint.DEFAULT_RATIOS).")
+                  "the measured peak (default: pipeline.joint.DEFAULT_RATIOS).")
 flags.DEFINE_list("joint_methods", None, "With --joint: placers to search (default: "
-                  "baechi.joint.DEFAULT_METHODS).")
+                  "pipeline.joint.DEFAULT_METHODS).")
 flags.DEFINE_string("report_dir", None, "Also write a report a person reads into this "
                     "directory: the JSON, memory per device planned vs measured, the placement "
                     "as a Gantt chart, the remat plan, the schedule as a Chrome trace, "
@@ -134,7 +137,10 @@ def check_flags() -> None:
     from graphfit.baechi.devices import parse_comm_coeffs, read_comm_json
     from graphfit.profiler.profile import Profile
     from graphfit.profiler.sizes import parse_bytes
+    from graphfit.pipeline.passes import check_skip
     from graphfit.remat.pipeline import PLANNERS
+
+    check_skip(FLAGS.skip_passes)
 
     for name, minimum in (("steps", 1), ("warmup_steps", 0), ("trace_every", 1),
                           ("num_devices", 1)):
@@ -224,9 +230,7 @@ def _budget() -> dict:
     from graphfit.profiler.sizes import parse_bytes
 
     budget = None if FLAGS.memory_budget is None else parse_bytes(FLAGS.memory_budget)
-    return {"memory_budget": budget, "memory_ratio": FLAGS.memory_ratio,
-            "remat_heuristic": FLAGS.remat_heuristic,
-            "remat_overhead_limit": FLAGS.remat_overhead_limit}
+    return {"memory_budget": budget, "memory_ratio": FLAGS.memory_ratio}
 
 
 def _place_options() -> dict:
@@ -299,17 +303,15 @@ def _print_joint(result) -> None:
     print_progress(f"loss/gradients equal to 1 device: {placement['equal_to_single_device']}")
 
 
-def _joint_options() -> dict:
-    """--joint_ratios / --joint_methods as ``baechi.joint.fit_devices`` keywords."""
-    from graphfit.baechi import joint
+def _joint_space():
+    """--joint_ratios / --joint_methods as a ``pipeline.joint.JointSpace``."""
+    from graphfit.pipeline import joint
 
     try:
         ratios = [float(r) for r in FLAGS.joint_ratios or joint.DEFAULT_RATIOS]
     except ValueError as error:
         raise ArgumentError(f"--joint_ratios: {error}") from error
-    return {"ratios": ratios, "methods": FLAGS.joint_methods or joint.DEFAULT_METHODS,
-            "heuristic": FLAGS.remat_heuristic, "overhead_limit": FLAGS.remat_overhead_limit,
-            "place_options": _place_options()}
+    return joint.JointSpace(ratios, FLAGS.joint_methods or joint.DEFAULT_METHODS)
 
 
 def _profile(item, report: dict):
@@ -372,11 +374,10 @@ def _exit_if_stuck(cluster, error) -> None:
 
 
 def _optimize_and_run(item, profile, report: dict) -> dict:
-    """``baechi.optimize`` with the flags' passes, then the measured run of its result."""
+    """``pipeline.optimize`` with the flags' passes, then the measured run of its result."""
     from contextlib import nullcontext
 
-    from graphfit.baechi import optimize
-    from graphfit.baechi.joint import fit_devices
+    from graphfit.pipeline import optimize
     from graphfit.baechi.run import local_target
     from graphfit.profiler.session import make_session, user_config
     from graphfit.profiler.trace import print_progress
@@ -397,19 +398,17 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
                                  "operation_timeout_s": cluster.operation_timeout_s,
                                  "workers": cluster.worker_info}
         devices = _device_set(list(target.devices)) if placing else None
-        if FLAGS.joint:
-            result = fit_devices(item, target, devices, **_joint_options(),
-                                 progress=print_progress)
-        else:
-            result = optimize(item, **budget, target=target, devices=devices, profile=profile,
-                              place_options=_place_options(),
-                              verify_structure=FLAGS.verify_structure)
+        result = optimize(item, **budget, joint=_joint_space() if FLAGS.joint else None,
+                          remat_heuristic=FLAGS.remat_heuristic,
+                          remat_overhead_limit=FLAGS.remat_overhead_limit, target=target,
+                          devices=devices, profile=None if FLAGS.joint else profile,
+                          place_options=_place_options(), skip=FLAGS.skip_passes,
+                          verify_structure=FLAGS.verify_structure)
         report.update(result.report())
         (_print_joint if FLAGS.joint else _print_report)(result)
         if placing:
             single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
-            report["joint" if FLAGS.joint else "place"]["single_device_step_time_ms_median"] = \
-                single
+            report["place"]["single_device_step_time_ms_median"] = single
         run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session)
         # The input as the user runs it: TF's default configuration, one device.
         run["user_step_time_ms_median"] = run_steps(

@@ -1,0 +1,140 @@
+"""The remat pass as a closed loop: plan, rewrite, run, measure, and plan again while the
+measured peak misses the budget.
+
+A plan's peak is a prediction of TF's allocator; this loop holds it to the measurement. The
+rewritten step runs once before it is returned (a step that cannot run is never handed on).
+When verifying, it must compute the user's loss and gradients (``remat.measure``), and its
+measured peak must be within ``PEAK_TOLERANCE`` of the budget; if it is not, the budget the
+planner sees is lowered by the measured excess, ``MAX_PLAN_ROUNDS`` rounds at most. Backward
+events may float beside the chain (``remat.side_by_side``) only in a verified step whose
+measured peak stays within its budget and within ``PEAK_TOLERANCE`` of its plan; otherwise the
+strict chain is planned first, for the same budget.
+"""
+
+from __future__ import annotations
+
+from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.session import run_once
+from graphfit.remat.pipeline import BudgetError, rematerialize
+from graphfit.remat.plan import RematPlan
+
+__all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "PLAN_ORDERS", "fit_budget"]
+
+# A measured peak above budget x (1 + PEAK_TOLERANCE) is a miss; the remat pass then plans
+# again, at most MAX_PLAN_ROUNDS times in all.
+PEAK_TOLERANCE = 0.05
+MAX_PLAN_ROUNDS = 3
+# Memory models (traced orders of the step, built once; every round plans on them all)
+# whose cheapest plan is kept (``remat.pipeline.cheapest_plan``): eight orders of a Keras
+# attention step planned 1.19-1.52 at 0.5 of its peak (2026-12-05).
+PLAN_ORDERS = 6
+
+
+
+def _missed(budget: int, rounds: list[dict]) -> str:
+    """What each round planned and measured, for the error of a missed budget."""
+    summary = "; ".join(f"planned for {r['planning_budget_bytes'] / 2**20:.1f} MiB, measured "
+                        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB" for r in rounds)
+    return (f"the rematerialized step's measured peak stays above the budget of "
+            f"{budget / 2**20:.1f} MiB (+{PEAK_TOLERANCE:.0%}) after {len(rounds)} rounds: "
+            f"{summary}")
+
+
+def _floating_kept(measured_bytes: int, planned_bytes: int, budget_bytes: int) -> bool:
+    """Whether a step with floating events may stay as measured: within the user's budget
+    (not its tolerance: the strict chain is there to fall back on) and within
+    ``PEAK_TOLERANCE`` of its plan. The floating bound itself is not sound on every run (the
+    mlp ``activations`` step measured 0.25-1 MiB over its plan in 12 of 32 traced runs), but
+    where the plan leaves room below the budget the step still fits; a miss of 1% sent Keras
+    attention back to its strict chain at 0.97 of its budget (2026-12-05), 6% slower."""
+    return measured_bytes <= min(budget_bytes, planned_bytes * (1 + PEAK_TOLERANCE))
+
+
+def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
+               budget_ratio: float | None, heuristic: str, overhead_limit: float, verify: bool,
+               num_cpu_devices: int, order_updates: bool) -> tuple[GraphItem, RematPlan, dict]:
+    """Plan ``item`` (``original`` after the graph passes) for the budget, rewrite, run; when
+    verifying, measure and re-plan while the measured peak misses the budget.
+
+    Parameters:
+        original: the user's step (the reference of every comparison and of ``budget_ratio``).
+        item: the step to plan (``original`` after ``pipeline.passes``' graph passes).
+        budget_bytes, budget_ratio: the budget in bytes, or as a fraction of ``original``'s
+            measured peak (one of them is ``None``).
+        heuristic, overhead_limit: the planner (``remat.pipeline.PLANNERS``) and its limit.
+        verify: measure the rewritten step and close the loop (else plan once and run once).
+        num_cpu_devices: virtual CPU devices of the session.
+        order_updates: the early-update pass ran: order each update after its variable's
+            last read (``remat.early_updates.order_updates_after_reads``).
+
+    Returns:
+        ``(rewritten step, plan, JSON-ready details)``; with ``verify``, ``details["rounds"]``
+        has every round's plan and measurement.
+
+    Raises:
+        remat.pipeline.BudgetError: no plan fits, or the measured peak stays above the budget
+            after ``MAX_PLAN_ROUNDS`` rounds (the message has every round's numbers).
+        profiler.session.StepFailedError: the rewritten step does not run.
+    """
+    from graphfit.profiler.session import make_session
+    from graphfit.profiler.step_compare import compare_weights
+    from graphfit.remat.early_updates import order_updates_after_reads
+    from graphfit.remat.measure import measure_rewrite, measure_step
+    from graphfit.remat.step_time import trace_for_prediction
+    from graphfit.remat.tf_memory import tf_memory_model
+
+    baseline = measure_step(original, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
+    budget = int(budget_bytes if budget_bytes is not None
+                 else budget_ratio * baseline.peak_bytes)
+    profile = (baseline.profile if item is original else
+               measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices).profile)
+    planning_budget, rounds, side_by_side = budget, [], verify
+    models = [tf_memory_model(item, profile) for _ in range(PLAN_ORDERS)]
+    # The same for every round of planning.
+    traces = trace_for_prediction(original, item, models[0]) if verify else None
+    for _ in range(MAX_PLAN_ROUNDS):
+        try:
+            rewritten, plan = rematerialize(item, models, budget_bytes=planning_budget,
+                                            heuristic=heuristic, overhead_limit=overhead_limit,
+                                            side_by_side=side_by_side, step_traces=traces)
+        except BudgetError as error:
+            if not rounds:
+                raise
+            raise BudgetError(f"{_missed(budget, rounds)}; planning again for "
+                              f"{planning_budget / 2**20:.1f} MiB failed: {error}",
+                              budget, error.minimum_bytes) from error
+        if plan.peak_bytes > plan.budget_bytes:
+            raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
+                                 f"exceeds the budget {plan.budget_bytes:,}")
+        if order_updates:
+            rewritten, order = order_updates_after_reads(rewritten)
+        run_once(rewritten, "rematerialized",
+                  lambda graph: make_session(graph, num_cpu_devices))
+        details = {"method": plan.method, "budget_bytes": budget,
+                   "planning_budget_bytes": plan.budget_bytes,
+                   "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
+                   "num_recomputes": plan.num_recomputes,
+                   "recomputed_ops": plan.stats.get("recomputed_ops", []),
+                   "overhead_by_order": plan.stats["orders"],
+                   "side_by_side_events": plan.stats["side_by_side_events"],
+                   "late_variable_readers": order["late_readers"] if order_updates else 0}
+        if not verify:
+            return rewritten, plan, details
+        details.update(measure_rewrite(original, rewritten, plan, baseline=baseline),
+                       budget_bytes=budget, planning_budget_bytes=plan.budget_bytes,
+                       planned_step_vs_user=plan.stats["step_time"]["vs_user"],
+                       planned_step_time=plan.stats["step_time"])
+        if order_updates:
+            details["weights_match"], details["max_abs_weight_diff"] = compare_weights(
+                original, rewritten, kernel_order_noise=True)
+        details["measured_peak_over_budget"] = details["measured_peak_bytes"] / budget
+        rounds.append(details)
+        if side_by_side and plan.stats["side_by_side_events"] and not _floating_kept(
+                details["measured_peak_bytes"], plan.peak_bytes, budget):
+            side_by_side = False
+            continue
+        if details["measured_peak_bytes"] <= budget * (1 + PEAK_TOLERANCE):
+            return rewritten, plan, {**details, "rounds": rounds}
+        planning_budget = int(planning_budget * budget / details["measured_peak_bytes"])
+    raise BudgetError(f"{_missed(budget, rounds)}. Raise the budget or try another planner.",
+                      budget, min(r["measured_peak_bytes"] for r in rounds))
