@@ -154,7 +154,8 @@ def memory_first(units: UnitGraph, devices: DeviceSet, memory_model: str = "live
                                             plain)
             except PlacementError:
                 continue
-    raise error
+    # The public error, without the private search state a ``_Stuck`` carries.
+    raise PlacementError(str(error)) from None
 
 
 def _place_with_restarts(units: UnitGraph, devices: DeviceSet, memory_model: str, method: str,

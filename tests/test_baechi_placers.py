@@ -68,8 +68,9 @@ def test_memory_and_colocation_down_to_the_tightest_limit(graph_name, method, pl
     _check(attempt(hi), graph, hi, grouper)
     # four devices hold the step with less than one sequential peak each
     assert hi <= seq
-    # a limit too low is refused, naming the bytes
+    # a limit too low is refused, naming the bytes, with the public error type
     assert failure is not None and re.search(r"\d+ bytes", str(failure)), failure
+    assert type(failure) is PlacementError
 
 
 def test_static_memory_model_is_safe_and_looser():
