@@ -8,18 +8,21 @@ the graph it was measured on, so it is never applied to another graph by mistake
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from graphfit.errors import GraphfitError, read_json
+from graphfit.errors import GraphfitError, OutputError, read_json
 
 __all__ = ["DeviceMemory", "OpCost", "Profile", "ProfileError", "ProfileMismatchError",
-           "graph_fingerprint", "atomic_write_json"]
+           "graph_fingerprint", "atomic_write_json", "write_files"]
 
 FORMAT_VERSION = 1
 
@@ -249,3 +252,41 @@ def atomic_write_json(path: str, data: Any) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_files(directory: str, writers: dict[str, Callable[[str], None]],
+                owned: Iterable[str] = ()) -> list[str]:
+    """Write one run's files into ``directory`` together: ``writers[name](path)`` writes each
+    into a hidden staging directory inside it, and only when all succeeded are they renamed
+    into place and the files of ``owned`` (every name the caller ever writes there) that this
+    run did not write are removed. So the directory holds one run's files, never half of a run
+    nor another run's leftovers; other files in it are left alone.
+
+    Returns:
+        The paths written, in the order of ``writers``.
+
+    Raises:
+        OutputError: a file could not be written (e.g. a full disk); ``directory`` is as it was.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=directory, prefix=".staging-")
+    except OSError as error:
+        raise OutputError(f"cannot write into {directory} ({error.strerror}); nothing was "
+                          "written: choose another directory") from None
+    try:
+        for name, write in writers.items():
+            try:
+                write(os.path.join(staging, name))
+            except OSError as error:
+                raise OutputError(f"cannot write {name} into {directory} ({error.strerror}); "
+                                  "nothing was written: free some space or choose another "
+                                  "directory") from None
+        for name in set(owned) - set(writers):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+        for name in writers:
+            os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(directory, name) for name in writers]
