@@ -47,6 +47,7 @@ limits such as 2^62 or 2^64 - 1 per device never overflow a sum.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping, Sequence
 
@@ -181,6 +182,10 @@ def read_comm_json(source: str | Mapping
             type, or not a finite non-negative cost; the message names the file and the field.
     """
     where = "communication JSON" if isinstance(source, Mapping) else f"--comm_cost_path={source}"
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        raise DeviceError(f"the communication JSON must be a file path or the parsed dict (as "
+                          "tools/communication_benchmark writes it), got "
+                          f"{type(source).__name__} {source!r:.60}")
     if not isinstance(source, Mapping):
         source = read_json(source, where, "write it again with tools/communication_benchmark",
                            DeviceError)

@@ -97,6 +97,8 @@ def train_flags(tmp_path):
     (["--comm_cost_coeffs=-1,3"], "link coefficients must be finite and non-negative"),
     (["--comm_cost_coeffs=1"], "expected two numbers 'a,b'"),
     (["--report_path="], "--report_path is empty: give the file to write"),
+    (["--report_dir="], "--report_dir is empty: give the directory to write the report into"),
+    (["--report_dir= "], "--report_dir is empty"),
 ])
 def test_train_flag_is_refused_before_work(train_flags, argv, message):
     with pytest.raises(GraphfitError) as error:
@@ -159,6 +161,9 @@ def test_link_costs_are_checked_in_the_library():
     with pytest.raises(DeviceError, match="default link: link coefficients must be finite"):
         DeviceSet.uniform(names, "1GiB", LinkCost(float("nan"), 1.0))
     assert parse_comm_coeffs("1e-4,134") == LinkCost(1e-4, 134.0)
+    with pytest.raises(DeviceError, match=r"the communication JSON must be a file path or the "
+                                          r"parsed dict .* got list \[\]"):
+        DeviceSet.from_json(names, "1GiB", [])
 
 
 # -- the binaries: one paragraph, exit status 2 -----------------------------------------------

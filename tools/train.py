@@ -162,6 +162,9 @@ def check_flags() -> None:
     models.preset_config(FLAGS.model_name, FLAGS.preset)
     check_writable_path(FLAGS.report_path, "--report_path")
     if FLAGS.report_dir is not None:
+        if not FLAGS.report_dir.strip():
+            raise ArgumentError("--report_dir is empty: give the directory to write the report "
+                                "into, e.g. out/report (or leave the flag out)")
         check_writable_path(os.path.join(FLAGS.report_dir, "summary.md"), "--report_dir")
     if FLAGS.joint and (FLAGS.memory_budget is not None or FLAGS.memory_ratio is not None):
         raise ArgumentError("--joint searches the remat budget itself: give --num_devices and "
