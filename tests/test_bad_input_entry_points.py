@@ -232,3 +232,34 @@ def test_a_second_report_into_one_directory_leaves_only_its_own_files(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "not written (the step was not placed): placement_gantt.png, schedule_trace.json" \
         in summary
+
+
+# -- tools/worker.py and the cluster spec ---------------------------------------------------------
+
+@pytest.mark.parametrize("lifetime", ["nan", "inf", "1e30", "0.5"])
+def test_worker_refuses_a_lifetime_that_is_not_bounded(lifetime):
+    line = _one_paragraph(_run_binary("worker", "--cluster_spec=worker=127.0.0.1:2222",
+                                      "--task=0", f"--lifetime_s={lifetime}"), "worker")
+    assert f"--lifetime_s={float(lifetime)!r}: must be a finite number >= 1 and <= 604800" \
+        in line
+
+
+@pytest.mark.parametrize("port", ["1000000", "9" * 10**6])
+def test_a_port_out_of_range_is_named_in_a_short_message(port):
+    from graphfit.baechi.cluster import parse_cluster_spec
+
+    with pytest.raises(ValueError, match=r"is not host:port \(a port in 1\.\.65535\)") as error:
+        parse_cluster_spec(f"worker=127.0.0.1:{port}")
+    assert len(str(error.value)) < 300
+
+
+def test_local_workers_say_they_listen_on_every_interface():
+    """Issue 32: ``communication_benchmark --transport=grpc`` started exposed workers silently."""
+    from graphfit.baechi.cluster import LocalCluster
+
+    cluster = LocalCluster(2, lifetime_s=600)
+    cluster._set_spec({"worker": ["127.0.0.1:40001", "127.0.0.1:40002"]})  # as start() does
+    text = cluster.exposure_warning()
+    assert text.startswith("WARNING: the 2 gRPC workers started here listen on port(s) 40001, "
+                           "40002 of every network interface")
+    assert "without authentication" in text and "at the latest after 600 s" in text

@@ -200,6 +200,37 @@ def test_worker_of_another_tensorflow_is_refused():
         stop_workers(processes)
 
 
+_PLAIN_SERVER = """
+import sys, time, tensorflow as tf
+job, address = sys.argv[1:]
+tf.distribute.Server(tf.train.ClusterSpec({job: [address]}), job_name=job, task_index=0)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("job, message", [
+    ("worker", r"is a TF server but was not started by graphfit's worker binary"),
+    ("ps", r"the TF server there is not /job:worker/task:0 \(its devices are "
+           r"/job:ps/replica:0/task:0/device:CPU:0\); list each worker in the cluster spec "
+           r"under the job and task it was started with"),
+])
+def test_a_server_that_is_not_our_worker_is_named_at_once(job, message):
+    """Issue 32: a plain ``tf.distribute.Server``, or one of another job, was reported as "did
+    not complete the handshake within 20 s"."""
+    address = f"127.0.0.1:{_free_ports(1)[0]}"
+    server = subprocess.Popen([sys.executable, "-c", _PLAIN_SERVER, job, address], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().startswith("ready")
+        began = time.monotonic()
+        with pytest.raises(ClusterError, match=message):
+            _cluster(f"worker={address}").__enter__()
+        assert time.monotonic() - began < OPERATION_TIMEOUT_S
+    finally:
+        stop_workers([server])
+
+
 def _train(*flags):
     return subprocess.Popen([sys.executable, "-m", "graphfit.tools.train", "--model_name=mlp",
                              "--preset=tiny", *flags], stdout=subprocess.PIPE,
