@@ -163,7 +163,8 @@ def _checked_costs(specs: Sequence[OpSpec], field: str, values: list, integer: b
         k = int(np.argmax(bad))
         kind = ("a whole, non-negative number of bytes below 2^63 (what the IR holds)"
                 if integer else "a finite, non-negative time (µs)")
-        raise CostGraphError(f"op {specs[k].name!r}: {field} = {short_repr(values[k])} is not {kind}")
+        raise CostGraphError(f"op {specs[k].name!r}: {field} = {short_repr(values[k])} is not "
+                             f"{kind}")
     return array.astype(np.int64) if integer else array
 
 
