@@ -210,26 +210,26 @@ time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("job, message", [
-    ("worker", r"is a TF server but was not started by graphfit's worker binary"),
-    ("ps", r"the TF server there is not /job:worker/task:0 \(its devices are "
-           r"/job:ps/replica:0/task:0/device:CPU:0\); list each worker in the cluster spec "
-           r"under the job and task it was started with"),
-])
-def test_a_server_that_is_not_our_worker_is_named_at_once(job, message):
+def test_a_server_that_is_not_our_worker_is_named_at_once():
     """Issue 32: a plain ``tf.distribute.Server``, or one of another job, was reported as "did
-    not complete the handshake within 20 s"."""
-    address = f"127.0.0.1:{_free_ports(1)[0]}"
-    server = subprocess.Popen([sys.executable, "-c", _PLAIN_SERVER, job, address], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    not complete the handshake within 20 s". Both servers start in parallel."""
+    cases = [("worker", r"is a TF server but was not started by graphfit's worker binary"),
+             ("ps", r"the TF server there is not /job:worker/task:0 \(its devices are "
+                    r"/job:ps/replica:0/task:0/device:CPU:0\); list each worker in the cluster "
+                    r"spec under the job and task it was started with")]
+    addresses = [f"127.0.0.1:{port}" for port in _free_ports(len(cases))]
+    servers = [subprocess.Popen([sys.executable, "-c", _PLAIN_SERVER, job, address], env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for (job, _), address in zip(cases, addresses)]
     try:
-        assert server.stdout.readline().startswith("ready")
-        began = time.monotonic()
-        with pytest.raises(ClusterError, match=message):
-            _cluster(f"worker={address}").__enter__()
-        assert time.monotonic() - began < OPERATION_TIMEOUT_S
+        for (_, message), address, server in zip(cases, addresses, servers):
+            assert server.stdout.readline().startswith("ready")
+            began = time.monotonic()
+            with pytest.raises(ClusterError, match=message):
+                _cluster(f"worker={address}").__enter__()
+            assert time.monotonic() - began < OPERATION_TIMEOUT_S
     finally:
-        stop_workers([server])
+        stop_workers(servers)
 
 
 def _train(*flags):
