@@ -53,7 +53,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphfit.errors import GraphfitError, read_json
+from graphfit.errors import GraphfitError, read_json, short_repr
 from graphfit.profiler.sizes import parse_bytes
 
 __all__ = ["Device", "DeviceError", "DeviceSet", "LINK_MODELS", "LinkCost", "MAX_MEMORY_BYTES",
@@ -185,7 +185,7 @@ def read_comm_json(source: str | Mapping
     if not isinstance(source, (str, os.PathLike, Mapping)):
         raise DeviceError(f"the communication JSON must be a file path or the parsed dict (as "
                           "tools/communication_benchmark writes it), got "
-                          f"{type(source).__name__} {source!r:.60}")
+                          f"{type(source).__name__} {short_repr(source)}")
     if not isinstance(source, Mapping):
         source = read_json(source, where, "write it again with tools/communication_benchmark",
                            DeviceError)

@@ -116,9 +116,8 @@ def _dense_sizes(name: str, ports: dict[int, int | None], uses: dict[int, str]) 
         raise ExternalGraphError(
             f"op {name!r}: the size of output(s) {missing}{f' and {more} more' if more else ''} "
             f"is not given (ports are numbered from 0, and {uses[count - 1]} uses port "
-            f"{count - 1}): add "
-            "'bytes' to an edge of that output or 'output_bytes' to the op, or check the port "
-            "numbers")
+            f"{count - 1}): add 'bytes' to an edge of that output or 'output_bytes' to the op, "
+            "or check the port numbers")
     return [given[p] for p in range(count)]
 
 

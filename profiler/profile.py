@@ -272,16 +272,16 @@ def write_files(directory: str, writers: dict[str, Callable[[str], None]],
         os.makedirs(directory, exist_ok=True)
         staging = tempfile.mkdtemp(dir=directory, prefix=".staging-")
     except OSError as error:
-        raise OutputError(f"cannot write into {directory} ({error.strerror}); nothing was "
-                          "written: choose another directory") from None
+        raise OutputError(f"cannot write into {directory} ({error.strerror or error}); "
+                          "nothing was written: choose another directory") from None
     try:
         for name, write in writers.items():
             try:
                 write(os.path.join(staging, name))
             except OSError as error:
-                raise OutputError(f"cannot write {name} into {directory} ({error.strerror}); "
-                                  "nothing was written: free some space or choose another "
-                                  "directory") from None
+                raise OutputError(f"cannot write {name} into {directory} "
+                                  f"({error.strerror or error}); nothing was written: free "
+                                  "some space or choose another directory") from None
         for name in set(owned) - set(writers):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
