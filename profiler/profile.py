@@ -15,11 +15,12 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from graphfit.errors import GraphfitError, OutputError, read_json
+from graphfit.errors import GraphfitError, OutputError, read_json, short_repr
 
 __all__ = ["DeviceMemory", "OpCost", "Profile", "ProfileError", "ProfileMismatchError",
            "graph_fingerprint", "atomic_write_json", "write_files"]
@@ -36,15 +37,17 @@ class ProfileMismatchError(ProfileError):
 
 
 def _count(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ProfileError(f"{field} = {value!r}: must be a non-negative integer (bytes, count)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ProfileError(f"{field} = {short_repr(value)}: must be a non-negative integer "
+                           "below 2^63 (bytes, count)")
     return value
 
 
 def _duration(value, field: str) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value < 0):
-        raise ProfileError(f"{field} = {value!r}: must be a finite non-negative number (µs)")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+            or value > sys.float_info.max or not math.isfinite(value)):  # an int may exceed
+        raise ProfileError(f"{field} = {short_repr(value)}: must be a finite non-negative "
+                           "number (µs)")
     return float(value)
 
 

@@ -233,6 +233,10 @@ def _profile_json():
     (lambda d: d["ops"]["x"].update(output_bytes=[-400]), "ops['x'].output_bytes[0] = -400: "
                                                           "must be a non-negative integer"),
     (lambda d: d["ops"]["x"].update(temp_bytes="big"), "ops['x'].temp_bytes = 'big'"),
+    (lambda d: d["ops"]["x"].update(temp_bytes=2**70), "ops['x'].temp_bytes = "
+                                                       "1180591620717411303424: must be a "
+                                                       "non-negative integer below 2^63"),
+    (lambda d: d["ops"]["x"].update(compute_us=10**400), "ops['x'].compute_us = 100000"),
     (lambda d: d["ops"]["x"].pop("compute_us"), "ops['x']: missing ['compute_us']"),
     (lambda d: d["ops"].update(y=[1, 2]), "ops['y'] must be a JSON object"),
     (lambda d: d.update(ops=[]), "ops must be a JSON object keyed by name"),
