@@ -18,7 +18,8 @@ import numbers
 import os
 import tempfile
 
-__all__ = ["ArgumentError", "GraphfitError", "check_number", "check_writable_path", "read_json"]
+__all__ = ["ArgumentError", "GraphfitError", "OutputError", "check_number", "check_writable_path",
+           "read_json", "short_repr"]
 
 
 class GraphfitError(Exception):
@@ -29,6 +30,18 @@ class GraphfitError(Exception):
 class ArgumentError(GraphfitError, ValueError):
     """An argument (a flag, a library parameter, a field of an input file) has the wrong type,
     is not finite, or is out of range."""
+
+
+class OutputError(GraphfitError, OSError):
+    """Results cannot be written (a full disk, a directory that became read-only); the
+    message says what was left as it was."""
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message quotes what it refuses,
+    not a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def check_number(value, name: str, *, minimum: float | None = None,
@@ -53,14 +66,15 @@ def check_number(value, name: str, *, minimum: float | None = None,
               f"> {above:g}" if above is not None else "",
               f"<= {maximum:g}" if maximum is not None else ""]
     wanted = " and ".join(w for w in wanted if w)
-    message = f"{name}={value!r}: must be {kind}{' ' + wanted if wanted else ''}"
+    message = f"{name}={short_repr(value)}: must be {kind}{' ' + wanted if wanted else ''}"
     if allow_inf:
         message += " (or inf: no limit)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentError(message)
     if integer and not isinstance(value, numbers.Integral):
         raise ArgumentError(message)
-    if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
+    if not isinstance(value, numbers.Integral) and (  # an int is finite (and may exceed floats)
+            math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0))):
         raise ArgumentError(message)
     if ((minimum is not None and value < minimum) or (maximum is not None and value > maximum)
             or (above is not None and value <= above)):
@@ -106,5 +120,8 @@ def read_json(path: str, what: str, remedy: str, error: type[GraphfitError] = Ar
             return json.load(f)
     except OSError as failure:
         raise error(f"{what}: cannot read it ({failure.strerror})") from None
-    except ValueError as failure:
+    except ValueError as failure:  # also binary content (UnicodeDecodeError)
         raise error(f"{what}: not valid JSON ({failure}); {remedy}") from None
+    except RecursionError:
+        raise error(f"{what}: not usable JSON (nested deeper than the parser can follow); "
+                    f"{remedy}") from None

@@ -19,9 +19,11 @@ bound:
   do (``Cluster.diagnose``). A TF error while every worker answers stays TF's own error.
 
 Bound: a fault ends a session call within ``operation_timeout_s`` and closing it takes at most
-one more, so a killed, stopped or missing worker is a ``ClusterError`` within about
-``2 * operation_timeout_s + probe_timeout_s`` (45 s with the defaults 20 s and 5 s; measured on
-TF 2.21 with 5 s and 2 s: 5-11 s, see tests/test_cluster_faults.py). A worker missing at the
+one more, so a killed, stopped or missing worker is a ``ClusterError`` within
+``2 * operation_timeout_s + probe_timeout_s`` plus the time a loaded machine adds (10 s allowed:
+55 s with the defaults 20 s and 5 s; measured on TF 2.21 with 5 s and 2 s beside a CPU hog on
+2 cores: 4.6-12.2 s, see tests/test_cluster_faults.py). Work beside the cluster that does not
+use it (a local reference run) calls ``check_faults`` between steps. A worker missing at the
 start is refused before any session, within one probe.
 
 What the version check can and cannot see: a worker started by ``tools/worker.py`` reports
@@ -41,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -53,7 +56,7 @@ from typing import IO
 
 import tensorflow as tf
 
-from graphfit.errors import GraphfitError
+from graphfit.errors import GraphfitError, short_repr
 from graphfit.baechi.run import RunTarget
 from graphfit.profiler.session import session_config
 
@@ -73,8 +76,10 @@ class ClusterError(GraphfitError, RuntimeError):
 
 def _check_address(address: str, where: str) -> str:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{where}: {address!r} is not host:port (a port in 1..65535)")
+    if (not sep or not host or not port.isdigit() or len(port) > 5
+            or not 0 < int(port) < 65536):
+        raise ValueError(f"{where}: {short_repr(address)} is not host:port (a port in "
+                         "1..65535)")
     return address
 
 
@@ -104,7 +109,7 @@ def parse_cluster_spec(spec: str | Mapping) -> dict[str, list[str]]:
             loaded = loaded["cluster"]
         spec = loaded
     elif isinstance(spec, str):
-        where = f"cluster spec {spec!r}"
+        where = f"cluster spec {short_repr(spec)}"
         jobs = {}
         for part in filter(None, spec.split(";")):
             job, sep, addresses = part.partition("=")
@@ -204,11 +209,19 @@ def read_worker_info(task: Task, timeout_s: float) -> tuple[dict, list[str]]:
                                   config=_task_config(task, timeout_s)) as session:
             record = json.loads(session.run(read))
             devices = [d.name for d in session.list_devices()]
-    except tf.errors.NotFoundError:
+    except (tf.errors.NotFoundError, tf.errors.FailedPreconditionError):  # no record
         raise ClusterError(
-            f"{task} is a TF server but was not started by graphfit's worker binary, so its "
-            "TensorFlow version cannot be checked; start it with `python -m "
-            "graphfit.tools.worker --cluster_spec=... --task=...`") from None
+            f"{task} is a TF server but was not started by graphfit's worker binary (or is "
+            "still starting), so its TensorFlow version cannot be checked; start it with "
+            "`python -m graphfit.tools.worker --cluster_spec=... --task=...`") from None
+    except tf.errors.InvalidArgumentError as error:
+        serves = re.search(r"available devices are \[ ?(.*?) ?\]", error.message)
+        if not serves:
+            raise
+        raise ClusterError(
+            f"{task}: the TF server there is not {task.name} (its devices are "
+            f"{serves.group(1)[:300]}); list each worker in the cluster spec under the job and "
+            "task it was started with (tools/worker.py --job, --task)") from None
     except tf.errors.OpError as error:
         raise ClusterError(f"{task} did not complete the handshake within {timeout_s:g} s "
                            f"({type(error).__name__}: {error.message.splitlines()[0]}); "
@@ -371,6 +384,14 @@ class Cluster:
             else:
                 self.faults.pop(task, None)
         return [task for task in self.tasks if now[task]]
+
+    def check_faults(self) -> None:
+        """Raise a ``ClusterError`` if the watchdog saw a task fail and it still fails: work
+        that does not touch the cluster (a local reference run) calls this between steps, so
+        a fault stops the run at once instead of when the cluster is next used."""
+        failed = self.failing() if self.faults else []
+        if failed:
+            raise self._error(failed, None)
 
     def diagnose(self, error: tf.errors.OpError) -> Exception:
         """The ``ClusterError`` behind ``error`` (a TF error of a session on this cluster):
@@ -544,6 +565,18 @@ class LocalCluster(Cluster):
                 pass
             return _process_fault(process) or fault
         return None
+
+    def exposure_warning(self) -> str:
+        """What the running workers expose and for how long: TF's server listens on every
+        interface (``exposure_warning``), even though they are addressed on loopback."""
+        import getpass
+
+        ports = ", ".join(address.rpartition(":")[2] for address in self.addresses)
+        return (f"WARNING: the {len(self.tasks)} gRPC workers started here listen on port(s) "
+                f"{ports} of every network interface (TF 2.21's server cannot bind one address) "
+                "without authentication: anyone who can connect to them can run any TensorFlow "
+                f"op as user {getpass.getuser()} until this run ends (they die with it, at the "
+                f"latest after {self.lifetime_s:g} s). Run on a trusted network.")
 
     def close(self) -> None:
         """Stop the watchdog and kill the workers (idempotent)."""

@@ -47,12 +47,13 @@ limits such as 2^62 or 2^64 - 1 per device never overflow a sum.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphfit.errors import GraphfitError, read_json
+from graphfit.errors import GraphfitError, read_json, short_repr
 from graphfit.profiler.sizes import parse_bytes
 
 __all__ = ["Device", "DeviceError", "DeviceSet", "LINK_MODELS", "LinkCost", "MAX_MEMORY_BYTES",
@@ -181,6 +182,10 @@ def read_comm_json(source: str | Mapping
             type, or not a finite non-negative cost; the message names the file and the field.
     """
     where = "communication JSON" if isinstance(source, Mapping) else f"--comm_cost_path={source}"
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        raise DeviceError(f"the communication JSON must be a file path or the parsed dict (as "
+                          "tools/communication_benchmark writes it), got "
+                          f"{type(source).__name__} {short_repr(source)}")
     if not isinstance(source, Mapping):
         source = read_json(source, where, "write it again with tools/communication_benchmark",
                            DeviceError)

@@ -45,10 +45,10 @@ Unknown keys are errors, so a misspelt field is never silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
+import itertools
 from collections.abc import Mapping
 
-from graphfit.errors import GraphfitError
+from graphfit.errors import ArgumentError, GraphfitError, check_number, read_json, short_repr
 from graphfit.baechi.devices import Device, DeviceError, DeviceSet, LinkCost, check_link_model
 from graphfit.profiler.cost_graph import CostGraph, CostGraphError, OpSpec
 from graphfit.profiler.sizes import SizeError, parse_bytes
@@ -86,12 +86,13 @@ def _check_keys(entry, allowed: set[str], where: str) -> None:
 
 
 def _number(entry: Mapping, key: str, where: str, default=0, integer: bool = False):
-    value = entry.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-            integer and not isinstance(value, int)):
-        kind = "a non-negative integer" if integer else "a non-negative number"
-        raise ExternalGraphError(f"{where}: {key!r} must be {kind}, got {value!r}")
-    return value
+    """``entry[key]`` if it is a non-negative number (an integer below 2^63, what the cost
+    graph holds, if ``integer``): the error names the entry and the key."""
+    try:
+        return check_number(entry.get(key, default), repr(key), minimum=0, integer=integer,
+                            maximum=2 ** 63 - 1 if integer else None)
+    except ArgumentError as error:
+        raise ExternalGraphError(f"{where}: {error}") from None
 
 
 def _ports(entry: Mapping, key: str, where: str) -> list[int]:
@@ -99,14 +100,32 @@ def _ports(entry: Mapping, key: str, where: str) -> list[int]:
     if not isinstance(ports, list) or not all(isinstance(p, int) and not isinstance(p, bool)
                                               and p >= 0 for p in ports):
         raise ExternalGraphError(f"{where}: {key!r} must be a list of output ports (integers "
-                                 f">= 0), got {ports!r}")
+                                 f">= 0), got {short_repr(ports)}")
     return ports
+
+
+def _dense_sizes(name: str, ports: dict[int, int | None], uses: dict[int, str]) -> list[int]:
+    """The sizes of ports ``0..max(ports)`` of op ``name``; every one must be given, so the
+    list is never longer than the file's own entries (a port of 10^9 is refused, not
+    allocated). ``uses``: the entry that first names each port."""
+    given = {port: size for port, size in ports.items() if size is not None}
+    count = max(ports) + 1
+    if len(given) < count:
+        missing = list(itertools.islice((p for p in range(count) if p not in given), 5))
+        more = count - len(given) - len(missing)
+        raise ExternalGraphError(
+            f"op {name!r}: the size of output(s) {missing}{f' and {more} more' if more else ''} "
+            f"is not given (ports are numbered from 0, and {uses[count - 1]} uses port "
+            f"{count - 1}): add 'bytes' to an edge of that output or 'output_bytes' to the op, "
+            "or check the port numbers")
+    return [given[p] for p in range(count)]
 
 
 def _output_sizes(ops: list[Mapping], edges: list[Mapping], names: set[str]
                   ) -> dict[str, list[int]]:
     """Bytes per output port of every op, from ``output_bytes`` and the edges (which agree)."""
-    sizes: dict[str, dict[int, int]] = {}
+    sizes: dict[str, dict[int, int | None]] = {}
+    uses: dict[str, dict[int, str]] = {}  # the entry that first names a port
     declared: dict[str, list[int]] = {}
     for k, op in enumerate(ops):
         where = f"ops[{k}] ({op['name']!r})"
@@ -115,18 +134,20 @@ def _output_sizes(ops: list[Mapping], edges: list[Mapping], names: set[str]
             if not isinstance(out, list) or not all(
                     isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in out):
                 raise ExternalGraphError(f"{where}: 'output_bytes' must be a list of byte "
-                                         f"counts, got {out!r}")
+                                         f"counts, got {short_repr(out)}")
             declared[op["name"]] = out
             sizes[op["name"]] = dict(enumerate(out))
         for key in ("persistent_outputs", "fetched_outputs"):
             for port in _ports(op, key, where):
                 sizes.setdefault(op["name"], {}).setdefault(port, None)
+                uses.setdefault(op["name"], {}).setdefault(port, f"{where} {key!r}")
     for k, edge in enumerate(edges):
         where = f"edges[{k}] ({edge['src']!r} -> {edge['dst']!r})"
         if edge.get("control"):
             continue
         port = _number(edge, "output", where, integer=True)
         have = sizes.setdefault(edge["src"], {})
+        uses.setdefault(edge["src"], {}).setdefault(port, where)
         if edge["src"] in declared and port >= len(declared[edge["src"]]):
             raise ExternalGraphError(f"{where} reads output {port}, but {edge['src']!r} "
                                      f"declares {len(declared[edge['src']])} outputs")
@@ -139,15 +160,7 @@ def _output_sizes(ops: list[Mapping], edges: list[Mapping], names: set[str]
             have[port] = nbytes
         else:
             have.setdefault(port, None)
-    result = {}
-    for name, ports in sizes.items():
-        missing = [p for p in range(max(ports) + 1) if ports.get(p) is None]
-        if missing:
-            raise ExternalGraphError(f"op {name!r}: the size of output(s) {missing} is not "
-                                     "given: add 'bytes' to an edge of that output or "
-                                     "'output_bytes' to the op")
-        result[name] = [ports[p] for p in range(max(ports) + 1)]
-    return result
+    return {name: _dense_sizes(name, ports, uses.get(name, {})) for name, ports in sizes.items()}
 
 
 def _devices(data: Mapping) -> DeviceSet:
@@ -252,7 +265,7 @@ def parse_external_graph(data: Mapping) -> ExternalGraph:
         specs.append(OpSpec(
             name=op["name"], op_type=str(op.get("type", "Op")), inputs=inputs[op["name"]],
             control_inputs=controls[op["name"]], output_bytes=sizes.get(op["name"], []),
-            compute_us=float(_number(op, "compute_us", where)),
+            compute_us=_number(op, "compute_us", where),
             temp_bytes=_number(op, "temp_bytes", where, integer=True),
             persistent_bytes=_number(op, "persistent_bytes", where, integer=True),
             device=str(op.get("device", "")),
@@ -274,11 +287,6 @@ def load_external_graph(path: str) -> ExternalGraph:
     Raises:
         ExternalGraphError: the file is missing, not JSON, or malformed.
     """
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ExternalGraphError(f"cannot read external graph {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ExternalGraphError(f"{path!r} is not valid JSON: {e}") from None
+    data = read_json(path, f"external graph {path!r}", "write it as one JSON object (format "
+                     "in baechi/external_graph.py)", ExternalGraphError)
     return parse_external_graph(data)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from graphfit.errors import GraphfitError
+from graphfit.errors import ArgumentError, GraphfitError, check_number
 from graphfit.pipeline.meta_optimizer import OptimizeResult, optimize
 from graphfit.remat.pipeline import BudgetError
 
@@ -95,9 +95,13 @@ def _check_model(model, x, y, memory_budget, memory_ratio) -> None:
     if memory_budget is not None and memory_ratio is not None:
         raise KerasFitError(f"give one of memory_budget and memory_ratio, not both (got "
                             f"memory_budget={memory_budget!r}, memory_ratio={memory_ratio!r})")
-    if memory_ratio is not None and not 0.0 < memory_ratio <= 1.0:
-        raise KerasFitError(f"memory_ratio={memory_ratio!r} must lie in (0, 1]: the fraction "
-                            "of the step's measured peak memory it may use")
+    if memory_ratio is not None:
+        try:
+            check_number(memory_ratio, "memory_ratio", above=0, maximum=1)
+        except ArgumentError:
+            raise KerasFitError(f"memory_ratio={memory_ratio!r} must lie in (0, 1]: the "
+                                "fraction of the step's measured peak memory it may use, a "
+                                "number such as 0.6") from None
     if len(x) != len(y) or len(x) == 0:
         raise KerasFitError(f"x and y must be one non-empty batch of equal length; got "
                             f"{len(x)} and {len(y)} examples")
@@ -110,9 +114,12 @@ def _budget_message(error: BudgetError, memory_budget, memory_ratio,
     asked = (f"memory_ratio={memory_ratio}" if memory_ratio is not None
              else f"memory_budget={memory_budget}")
     if error.minimum_bytes > error.budget_bytes:
-        scale = error.minimum_bytes / error.budget_bytes
-        smallest = (f"memory_budget >= {error.minimum_bytes}" if memory_ratio is None else
-                    f"memory_ratio >= {memory_ratio * scale:.2f}")
+        ratio = None if memory_ratio is None else memory_ratio * error.minimum_bytes / \
+            error.budget_bytes
+        # Above 1 (the planner's sizes exceed the measured peak, e.g. data-dependent shapes)
+        # no memory_ratio can work: give the budget in bytes.
+        smallest = (f"memory_ratio >= {ratio:.2f}" if ratio is not None and ratio <= 1 else
+                    f"memory_budget >= {error.minimum_bytes}")
         return (f"{asked} ({error.budget_bytes / 2**20:.1f} MiB) is below what "
                 f"rematerialization can reach for this model and batch "
                 f"({error.minimum_bytes / 2**20:.1f} MiB): pass {smallest} or a smaller batch")
@@ -166,6 +173,10 @@ def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
             raise KerasFitError(f"memory_budget={memory_budget!r}: {error}") from error
     if not model.built:
         model(tf.convert_to_tensor(x[:1]))
+    if not model.trainable_variables:
+        raise KerasFitError(f"model {model.name!r} has no trainable variables (its layers are "
+                            "frozen or have no weights): there is no training step to optimize; "
+                            "set trainable=True on the layers to train")
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     train_step = _train_step(model)

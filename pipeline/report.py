@@ -14,17 +14,15 @@
 - ``summary.md``: the headline numbers and links to the rest.
 
 Files that need a placement are written only when the result has one; ``summary.md`` says so.
-Every file is written through a temporary file and a rename (no half-written reports).
+The files are written together (``profiler.profile.write_files``): a directory holds one run's
+report, never half of one nor a previous run's leftovers.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from graphfit.profiler.profile import atomic_write_json
+from graphfit.profiler.profile import atomic_write_json, write_files
 
 if TYPE_CHECKING:
     from graphfit.pipeline.meta_optimizer import OptimizeResult
@@ -36,24 +34,9 @@ REPORT_FILES = ("report.json", "memory.png", "placement_gantt.png", "remat_plan.
 MIB = 2 ** 20
 
 
-def _atomic(path: str, write: Callable[[str], None]) -> None:
-    """Call ``write(temporary path)`` and rename the result to ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _write_text(path: str, text: str) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-    _atomic(path, write)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def _pyplot():
@@ -64,8 +47,10 @@ def _pyplot():
 
 
 def _save_figure(figure, path: str) -> None:
-    _atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
-    _pyplot().close(figure)
+    try:
+        figure.savefig(path, dpi=110, bbox_inches="tight", format="png")
+    finally:
+        _pyplot().close(figure)
 
 
 def _memory_plot(result: "OptimizeResult", path: str) -> None:
@@ -223,24 +208,23 @@ def write_report(result: "OptimizeResult", directory: str,
 
     Parameters:
         result: what ``pipeline.optimize`` returned.
-        directory: created if missing; files of the same names are replaced.
+        directory: created if missing; the report files of a previous run are replaced or
+            removed, other files are left alone.
         extra: JSON-ready entries added to ``report.json`` (e.g. the training run).
 
     Returns:
         The paths written, ``summary.md`` last.
+
+    Raises:
+        OutputError: a file cannot be written; the directory is left as it was.
     """
-    os.makedirs(directory, exist_ok=True)
-    path = lambda name: os.path.join(directory, name)  # noqa: E731
-    written = ["report.json"]
-    atomic_write_json(path("report.json"), {**result.report(), **(extra or {})})
-    _memory_plot(result, path("memory.png"))
-    written.append("memory.png")
+    writers = {"report.json": lambda p: atomic_write_json(p, {**result.report(),
+                                                              **(extra or {})}),
+               "memory.png": lambda p: _memory_plot(result, p)}
     if result.schedule is not None:
-        _gantt(result, path("placement_gantt.png"))
-        result.schedule.write_chrome_trace(path("schedule_trace.json"))
-        written += ["placement_gantt.png", "schedule_trace.json"]
-    _write_text(path("remat_plan.md"), _remat_markdown(result))
-    written.append("remat_plan.md")
-    _write_text(path("summary.md"), _summary_markdown(result, written))
-    written.append("summary.md")
-    return [path(name) for name in written]
+        writers["placement_gantt.png"] = lambda p: _gantt(result, p)
+        writers["schedule_trace.json"] = result.schedule.write_chrome_trace
+    writers["remat_plan.md"] = lambda p: _write_text(p, _remat_markdown(result))
+    summary = _summary_markdown(result, [*writers, "summary.md"])
+    writers["summary.md"] = lambda p: _write_text(p, summary)
+    return write_files(directory, writers, owned=REPORT_FILES)

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 import numpy as np
 
-from graphfit.errors import GraphfitError
+from graphfit.errors import GraphfitError, short_repr
 
 __all__ = ["CostGraph", "CostGraphError", "OpSpec", "gc_paused", "FEED_OP_TYPES"]
 
@@ -127,28 +127,59 @@ def _topological_order(specs: Sequence[OpSpec], index: dict[str, int]) -> list[i
     return order
 
 
+# Sizes are int64 in the IR. Each must be below 2^63, and all of one graph's together below 2^62,
+# so any sum the planners form (a device's live bytes, plus one more tensor, against a limit of
+# up to 2^63 - 1) fits as well: nothing wraps.
+MAX_TOTAL_BYTES = 2 ** 62
+
+
+def _to_float(value) -> float:
+    """``value`` as a float: NaN if it is not a number, inf if it is an integer beyond floats."""
+    if isinstance(value, (bool, str)) or not np.isscalar(value):
+        return float("nan")
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf")
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _checked_costs(specs: Sequence[OpSpec], field: str, values: list, integer: bool = False
                    ) -> np.ndarray:
     """``values`` (one per spec) as an array, after checking each is a finite, non-negative
-    number (a whole one for bytes): a NaN or negative cost would make every plan garbage.
+    number (a whole one below 2^63 for bytes): a NaN or negative cost would make every plan
+    garbage, and a size beyond int64 would wrap to a small or negative one.
 
     Raises ``CostGraphError`` naming the first op with a bad value.
     """
     try:
         array = np.array(values, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         array = None
     if array is None or array.shape != (len(values),):
-        bad = np.array([isinstance(v, (bool, str)) or not np.isscalar(v) for v in values])
-    else:
-        bad = ~np.isfinite(array) | (array < 0) | ((array != np.floor(array)) if integer
-                                                    else False)
+        array = np.array([_to_float(v) for v in values], dtype=np.float64)
+    bad = ~np.isfinite(array) | (array < 0)
+    if integer:
+        bad |= (array != np.floor(array)) | (array >= 2.0 ** 63)
     if bad.any():
         k = int(np.argmax(bad))
-        kind = "a whole, non-negative number of bytes" if integer else "a finite, non-negative"
-        raise CostGraphError(f"op {specs[k].name!r}: {field} = {values[k]!r} is not {kind}"
-                             f"{'' if integer else ' time (µs)'}")
+        kind = ("a whole, non-negative number of bytes below 2^63 (what the IR holds)"
+                if integer else "a finite, non-negative time (µs)")
+        raise CostGraphError(f"op {specs[k].name!r}: {field} = {short_repr(values[k])} is not "
+                             f"{kind}")
     return array.astype(np.int64) if integer else array
+
+
+def _check_total_bytes(graph: "CostGraph") -> None:
+    """Refuse a graph whose sizes add up to ``MAX_TOTAL_BYTES`` or more (see there)."""
+    total = sum(float(a.sum(dtype=np.float64))
+                for a in (graph.temp_bytes, graph.persistent_bytes, graph.tensor_bytes))
+    if total >= MAX_TOTAL_BYTES:
+        raise CostGraphError(
+            f"the sizes of the graph (output_bytes, temp_bytes and persistent_bytes of every op) "
+            f"add up to {total:.3g} bytes, more than the 2^62 ({MAX_TOTAL_BYTES:.3g}) the IR "
+            "can add up without wrapping: sizes are in bytes; check the file's units")
 
 
 class CostGraph:
@@ -194,6 +225,7 @@ class CostGraph:
         self.tensor_bytes = _checked_costs(
             [s for s in specs for _ in s.output_bytes], "output_bytes",
             [b for s in specs for b in s.output_bytes], integer=True)
+        _check_total_bytes(self)
         self.tensor_persistent = self._port_flags(specs, counts, "persistent_outputs")
         self.tensor_fetched = self._port_flags(specs, counts, "fetched_outputs")
 

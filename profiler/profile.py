@@ -8,18 +8,22 @@ the graph it was measured on, so it is never applied to another graph by mistake
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import shutil
+import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from graphfit.errors import GraphfitError, read_json
+from graphfit.errors import GraphfitError, OutputError, read_json, short_repr
 
 __all__ = ["DeviceMemory", "OpCost", "Profile", "ProfileError", "ProfileMismatchError",
-           "graph_fingerprint", "atomic_write_json"]
+           "graph_fingerprint", "atomic_write_json", "write_files"]
 
 FORMAT_VERSION = 1
 
@@ -33,15 +37,17 @@ class ProfileMismatchError(ProfileError):
 
 
 def _count(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ProfileError(f"{field} = {value!r}: must be a non-negative integer (bytes, count)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ProfileError(f"{field} = {short_repr(value)}: must be a non-negative integer "
+                           "below 2^63 (bytes, count)")
     return value
 
 
 def _duration(value, field: str) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value < 0):
-        raise ProfileError(f"{field} = {value!r}: must be a finite non-negative number (µs)")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+            or value > sys.float_info.max or not math.isfinite(value)):  # an int may exceed
+        raise ProfileError(f"{field} = {short_repr(value)}: must be a finite non-negative "
+                           "number (µs)")
     return float(value)
 
 
@@ -249,3 +255,41 @@ def atomic_write_json(path: str, data: Any) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_files(directory: str, writers: dict[str, Callable[[str], None]],
+                owned: Iterable[str] = ()) -> list[str]:
+    """Write one run's files into ``directory`` together: ``writers[name](path)`` writes each
+    into a hidden staging directory inside it, and only when all succeeded are they renamed
+    into place and the files of ``owned`` (every name the caller ever writes there) that this
+    run did not write are removed. So the directory holds one run's files, never half of a run
+    nor another run's leftovers; other files in it are left alone.
+
+    Returns:
+        The paths written, in the order of ``writers``.
+
+    Raises:
+        OutputError: a file could not be written (e.g. a full disk); ``directory`` is as it was.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=directory, prefix=".staging-")
+    except OSError as error:
+        raise OutputError(f"cannot write into {directory} ({error.strerror or error}); "
+                          "nothing was written: choose another directory") from None
+    try:
+        for name, write in writers.items():
+            try:
+                write(os.path.join(staging, name))
+            except OSError as error:
+                raise OutputError(f"cannot write {name} into {directory} "
+                                  f"({error.strerror or error}); nothing was written: free "
+                                  "some space or choose another directory") from None
+        for name in set(owned) - set(writers):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+        for name in writers:
+            os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(directory, name) for name in writers]

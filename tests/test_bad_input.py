@@ -97,6 +97,8 @@ def train_flags(tmp_path):
     (["--comm_cost_coeffs=-1,3"], "link coefficients must be finite and non-negative"),
     (["--comm_cost_coeffs=1"], "expected two numbers 'a,b'"),
     (["--report_path="], "--report_path is empty: give the file to write"),
+    (["--report_dir="], "--report_dir is empty: give the directory to write the report into"),
+    (["--report_dir= "], "--report_dir is empty"),
 ])
 def test_train_flag_is_refused_before_work(train_flags, argv, message):
     with pytest.raises(GraphfitError) as error:
@@ -159,6 +161,9 @@ def test_link_costs_are_checked_in_the_library():
     with pytest.raises(DeviceError, match="default link: link coefficients must be finite"):
         DeviceSet.uniform(names, "1GiB", LinkCost(float("nan"), 1.0))
     assert parse_comm_coeffs("1e-4,134") == LinkCost(1e-4, 134.0)
+    with pytest.raises(DeviceError, match=r"the communication JSON must be a file path or the "
+                                          r"parsed dict .* got list \[\]"):
+        DeviceSet.from_json(names, "1GiB", [])
 
 
 # -- the binaries: one paragraph, exit status 2 -----------------------------------------------
@@ -228,6 +233,10 @@ def _profile_json():
     (lambda d: d["ops"]["x"].update(output_bytes=[-400]), "ops['x'].output_bytes[0] = -400: "
                                                           "must be a non-negative integer"),
     (lambda d: d["ops"]["x"].update(temp_bytes="big"), "ops['x'].temp_bytes = 'big'"),
+    (lambda d: d["ops"]["x"].update(temp_bytes=2**70), "ops['x'].temp_bytes = "
+                                                       "1180591620717411303424: must be a "
+                                                       "non-negative integer below 2^63"),
+    (lambda d: d["ops"]["x"].update(compute_us=10**400), "ops['x'].compute_us = 100000"),
     (lambda d: d["ops"]["x"].pop("compute_us"), "ops['x']: missing ['compute_us']"),
     (lambda d: d["ops"].update(y=[1, 2]), "ops['y'] must be a JSON object"),
     (lambda d: d.update(ops=[]), "ops must be a JSON object keyed by name"),

@@ -107,7 +107,8 @@ def test_transfers_by_tensor_name():
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(format="v0"), "'format' must be"),
     (lambda d: d["ops"][1].update(compute=3), r"ops\[1\] has unknown key\(s\) \['compute'\]"),
-    (lambda d: d["ops"][1].update(compute_us=-1), r"ops\[1\] \('mm'\): 'compute_us'"),
+    (lambda d: d["ops"][1].update(compute_us=-1), r"ops\[1\] \('mm'\): 'compute_us'=-1: "
+                                                   "must be a finite number >= 0"),
     (lambda d: d["edges"].append({"src": "mm", "dst": "nope"}), "dst 'nope' is not an op"),
     (lambda d: d["edges"].append({"src": "w", "dst": "loss", "bytes": 7}),
      "has 7 bytes, but it was given 4194304"),
@@ -161,7 +162,7 @@ def test_place_binary_reports_bad_input_without_traceback(tmp_path):
     small = tmp_path / "small.json"
     small.write_text(json.dumps(data))
     result = _place_tool(f"--graph={small}", f"--out_dir={tmp_path}/out")
-    assert result.returncode == 1 and "bytes" in result.stderr
+    assert result.returncode == 2 and "bytes" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     result = _place_tool(f"--graph={tmp_path}/none.json", f"--out_dir={tmp_path}/out")
-    assert result.returncode == 1 and "cannot read" in result.stderr
+    assert result.returncode == 2 and "cannot read" in result.stderr

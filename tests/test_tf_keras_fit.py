@@ -64,6 +64,27 @@ def test_errors_speak_the_keywords_the_caller_used():
         optimize_model(_model(), x, y, memory_ratio=1.5)
     with pytest.raises(KerasFitError, match="one of memory_budget and memory_ratio"):
         optimize_model(_model(), x, y, memory_budget="10MiB", memory_ratio=0.5)
+    with pytest.raises(KerasFitError, match=r"memory_ratio='0.5' must lie in \(0, 1\]: .* a "
+                                            r"number such as 0.6"):
+        optimize_model(_model(), x, y, memory_ratio="0.5")
+    frozen = _model()
+    frozen.trainable = False
+    with pytest.raises(KerasFitError, match=r"has no trainable variables .* set trainable=True"):
+        optimize_model(frozen, x, y, memory_ratio=0.5)
+
+
+def test_a_minimum_above_the_measured_peak_asks_for_bytes_not_a_ratio():
+    """Issue 32: with data-dependent shapes the planner's minimum can exceed the measured peak;
+    the message advised memory_ratio >= 1.10, which optimize_model refuses."""
+    from graphfit.pipeline.keras_fit import _budget_message
+    from graphfit.remat.pipeline import BudgetError
+
+    above = BudgetError("", budget_bytes=50 * 2**20, minimum_bytes=110 * 2**20)
+    message = _budget_message(above, None, 0.5, 2.0)
+    assert "pass memory_budget >= 115343360 or a smaller batch" in message
+    below = BudgetError("", budget_bytes=50 * 2**20, minimum_bytes=60 * 2**20)
+    assert "pass memory_ratio >= 0.60 or a smaller batch" in _budget_message(below, None, 0.5,
+                                                                            2.0)
 
 
 @pytest.mark.slow

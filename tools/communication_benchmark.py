@@ -4,8 +4,11 @@ Times transfers of 2^0 .. 2^max_power float32 elements between two devices and f
 ``transfer_us = a * bytes + b`` (Baechi, Jeon et al., SoCC 2020, §4: the placers' communication
 model). Transports (``--transport``):
 
-- ``grpc``: two local ``tf.distribute.Server`` workers the tool starts (loopback only);
-  transfers are real gRPC ``RecvTensor`` calls. The default without two GPUs.
+- ``grpc``: three local ``tools/worker.py`` workers the tool starts, addressed on loopback;
+  transfers are real gRPC ``RecvTensor`` calls. The default without two GPUs. TF 2.21's
+  server listens on every interface without authentication, so while the benchmark runs (its
+  workers die with it, at most ``LocalCluster``'s lifetime) anyone who reaches their ports can
+  run TF ops as this user: the tool says so on stderr. ``virtual`` exposes nothing.
 - ``gpu``: ``/GPU:0`` -> ``/GPU:1`` in this process (needs two GPUs; the default with them).
 - ``virtual``: two virtual CPU devices of this process. They pass tensors zero-copy, so what is
   measured is the executor's per-edge overhead; the JSON says ``"zero_copy": true``.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 
@@ -252,7 +256,7 @@ def main(argv: list[str]) -> None:
 
     num_gpus = len(tf.config.list_physical_devices("GPU"))
     if _CLUSTER_SPEC.value is not None and _TRANSPORT.value is not None:
-        raise app.UsageError("give --cluster_spec or --transport, not both")
+        raise ArgumentError("give --cluster_spec or --transport, not both")
     transport = ("cluster" if _CLUSTER_SPEC.value is not None
                  else _TRANSPORT.value or ("gpu" if num_gpus >= 2 else "grpc"))
     if transport == "gpu" and num_gpus < 2:
@@ -263,7 +267,7 @@ def main(argv: list[str]) -> None:
         try:
             cluster = Cluster(_CLUSTER_SPEC.value)
         except ValueError as error:
-            raise app.UsageError(f"--cluster_spec: {error}") from error
+            raise ArgumentError(f"--cluster_spec: {error}") from None
     else:
         # Three local devices: one pair to fit the link, a third for the contention test.
         cluster = LocalCluster(3, startup_timeout_s=300) if transport == "grpc" else nullcontext()
@@ -276,11 +280,14 @@ def main(argv: list[str]) -> None:
                 target = cluster.run_target
                 print_progress(f"{len(cluster.tasks)} gRPC workers at "
                                f"{', '.join(t.address for t in cluster.tasks)}")
+                if transport == "grpc":
+                    print(f"{cluster.exposure_warning()} Or use --transport=virtual: nothing "
+                          "exposed.", file=sys.stderr, flush=True)
                 ends = [next(d for d in target.devices if d.startswith(task.name + "/"))
                         for task in cluster.tasks]
                 if len(ends) < 2:
-                    raise app.UsageError("--cluster_spec: a link needs two tasks; the spec has "
-                                         "one")
+                    raise ArgumentError("--cluster_spec: a link needs two tasks; the spec has "
+                                        "one")
             elif transport == "gpu":
                 target = RunTarget(tuple(f"/GPU:{k}" for k in range(min(num_gpus, 3))), "gpu")
                 ends = list(target.devices)

@@ -9,24 +9,26 @@ Writes, into ``--out_dir``:
 
     python -m graphfit.tools.place --graph=tools/examples/two_towers.json --method=m_sct
 
-Errors in the file or an instance that does not fit end the program with a message naming the
-problem (exit code 1), and nothing is written.
+Errors in the file, an instance that does not fit, or an ``--out_dir`` that cannot be written
+end the program with one paragraph naming the problem (exit status 2, ``tools.cli``), and
+nothing is written: the three files are written together (``profiler.profile.write_files``).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 
-from graphfit.baechi.devices import LINK_MODELS, DeviceError
-from graphfit.baechi.external_graph import ExternalGraphError, load_external_graph
+from graphfit.baechi.devices import LINK_MODELS
+from graphfit.baechi.external_graph import load_external_graph
 from graphfit.baechi.grouping import GROUPERS
-from graphfit.baechi.lp import LP_SOLVERS, LPSolverError
+from graphfit.baechi.lp import LP_SOLVERS
 from graphfit.baechi.memory import MEMORY_MODELS
-from graphfit.baechi.place import METHODS, PLACER_TYPES, Placement, PlacementError, place
-from graphfit.profiler.profile import atomic_write_json
+from graphfit.baechi.place import METHODS, PLACER_TYPES, Placement, place
+from graphfit.errors import check_writable_path
+from graphfit.profiler.profile import atomic_write_json, write_files
+from graphfit.tools import cli
 
 __all__ = ["main", "placement_json", "plot_gantt"]
 
@@ -89,22 +91,17 @@ def plot_gantt(placement: Placement, path: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    try:
-        external = load_external_graph(_GRAPH.value)
-        placement = place(external.graph, external.devices, method=_METHOD.value,
-                          placer_type=_PLACER_TYPE.value, grouper=_GROUPER.value,
-                          memory_model=_MEMORY_MODEL.value, lp_solver=_LP_SOLVER.value,
-                          link_model=_LINK_MODEL.value)
-    except (ExternalGraphError, PlacementError, LPSolverError, DeviceError) as e:
-        sys.exit(f"place: {e}")
-    os.makedirs(_OUT_DIR.value, exist_ok=True)
-    paths = {k: os.path.join(_OUT_DIR.value, k) for k in ("placement.json", "trace.json",
-                                                          "gantt.png")}
-    atomic_write_json(paths["placement.json"], placement_json(placement, _GRAPH.value))
-    placement.schedule.write_chrome_trace(paths["trace.json"])
-    plot_gantt(placement, paths["gantt.png"])
+    check_writable_path(os.path.join(_OUT_DIR.value, "placement.json"), "--out_dir")
+    external = load_external_graph(_GRAPH.value)
+    placement = place(external.graph, external.devices, method=_METHOD.value,
+                      placer_type=_PLACER_TYPE.value, grouper=_GROUPER.value,
+                      memory_model=_MEMORY_MODEL.value, lp_solver=_LP_SOLVER.value,
+                      link_model=_LINK_MODEL.value)
+    paths = write_files(_OUT_DIR.value, {
+        "placement.json": lambda p: atomic_write_json(p, placement_json(placement,
+                                                                         _GRAPH.value)),
+        "trace.json": placement.schedule.write_chrome_trace,
+        "gantt.png": lambda p: plot_gantt(placement, p)})
     summary = placement.summary()
     print(f"placed {summary['num_ops']} ops on {len(placement.devices)} devices with "
           f"{summary['method']} ({placement.devices.link_model} links) in "
@@ -113,8 +110,8 @@ def main(argv: list[str]) -> None:
     for name, ops, peak, limit in zip(placement.devices.names, summary["ops_per_device"],
                                       summary["peak_bytes"], summary["memory_bytes"]):
         print(f"  {name}: {ops} ops, peak {peak} of {limit} bytes")
-    print("wrote " + ", ".join(paths.values()))
+    print("wrote " + ", ".join(paths))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

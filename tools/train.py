@@ -168,6 +168,9 @@ def check_flags() -> None:
     models.preset_config(FLAGS.model_name, FLAGS.preset)
     check_writable_path(FLAGS.report_path, "--report_path")
     if FLAGS.report_dir is not None:
+        if not FLAGS.report_dir.strip():
+            raise ArgumentError("--report_dir is empty: give the directory to write the report "
+                                "into, e.g. out/report (or leave the flag out)")
         check_writable_path(os.path.join(FLAGS.report_dir, "summary.md"), "--report_dir")
     if FLAGS.joint and (FLAGS.memory_budget is not None or FLAGS.memory_ratio is not None):
         raise ArgumentError("--joint searches the remat budget itself: give --num_devices and "
@@ -178,13 +181,15 @@ def check_flags() -> None:
         Profile.load(FLAGS.cost_path)  # its graph is checked once the model is built
 
 
-def run_steps(item, steps: int, warmup: int, session_factory=None) -> dict:
+def run_steps(item, steps: int, warmup: int, session_factory=None, between_steps=None) -> dict:
     """Run the step ``warmup + steps`` times; median step time, final loss and the peak bytes:
     the allocator's high-water mark over the measured steps (CPU:0's allocator is shared by all
     virtual CPU devices; on a gRPC cluster it is this client's, not the workers'), or, if
     the allocator keeps no statistics (``profiler.trace.AllocatorPeak``), the peak replayed
     from the allocation records of one more, traced step.
-    ``session_factory``: graph -> session (a ``RunTarget.session``); default one device."""
+    ``session_factory``: graph -> session (a ``RunTarget.session``); default one device.
+    ``between_steps``: called before each step (``Cluster.check_faults``: a local run beside a
+    cluster stops when a worker fails)."""
     from graphfit.profiler.session import make_session
     from graphfit.profiler.trace import AllocatorPeak, step_fetches, traced_peak_bytes
 
@@ -194,9 +199,13 @@ def run_steps(item, steps: int, warmup: int, session_factory=None) -> dict:
         feeds = item.feed_dict()
         fetches = step_fetches(item)[:2]
         for _ in range(warmup):
+            if between_steps:
+                between_steps()
             session.run(fetches, feeds)
         with AllocatorPeak() as allocator:
             for _ in range(steps):
+                if between_steps:
+                    between_steps()
                 begin = time.perf_counter()
                 _, loss = session.run(fetches, feeds)
                 times_ms.append((time.perf_counter() - begin) * 1000)
@@ -406,14 +415,17 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
                           verify_structure=FLAGS.verify_structure)
         report.update(result.report())
         (_print_joint if FLAGS.joint else _print_report)(result)
+        check = cluster.check_faults if cluster is not None else None
         if placing:
-            single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
+            single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps,
+                               between_steps=check)["step_time_ms_median"]
             report["place"]["single_device_step_time_ms_median"] = single
-        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session)
+        run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session, check)
         # The input as the user runs it: TF's default configuration, one device.
         run["user_step_time_ms_median"] = run_steps(
             item, FLAGS.steps, FLAGS.warmup_steps,
-            lambda graph: make_session(graph, config=user_config()))["step_time_ms_median"]
+            lambda graph: make_session(graph, config=user_config()),
+            between_steps=check)["step_time_ms_median"]
         run["overhead_vs_user"] = run["step_time_ms_median"] / run["user_step_time_ms_median"]
     if placing:  # the shared allocator cannot tell devices apart: report the worst device
         run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())

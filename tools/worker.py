@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from graphfit.errors import ArgumentError, check_number
+from graphfit.tools import cli
 
 _CLUSTER_SPEC = flags.DEFINE_string(
     "cluster_spec", None, "The whole cluster: job=host:port,host:port (e.g. "
@@ -27,27 +30,30 @@ _TASK = flags.DEFINE_integer("task", None, "This worker's task index in its job.
                              lower_bound=0)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "CPU devices of this worker (TF virtual "
                                     "devices; the placer places over each).", lower_bound=1)
-_LIFETIME_S = flags.DEFINE_float("lifetime_s", 3600.0, "Exit after this many seconds.",
-                                 lower_bound=1.0)
+_LIFETIME_S = flags.DEFINE_float("lifetime_s", 3600.0, "Exit after this many seconds (1 s to a "
+                                 "week: an exposed server's life is bounded).")
+MAX_LIFETIME_S = 7 * 86400
 _PARENT_PID = flags.DEFINE_integer("parent_pid", None, "Also exit when this process (the one "
                                    "that started the worker) is gone.", lower_bound=1)
 flags.mark_flags_as_required(["cluster_spec", "task"])
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from graphfit.baechi.cluster import Task, exposure_warning, parse_cluster_spec, serve_worker
+    del argv  # tools.cli refuses stray arguments
+    check_number(_LIFETIME_S.value, "--lifetime_s", minimum=1, maximum=MAX_LIFETIME_S)
+    from graphfit.baechi.cluster import (ClusterError, Task, exposure_warning,
+                                         parse_cluster_spec, serve_worker)
     from graphfit.baechi.netns import network_interfaces
 
     try:
         spec = parse_cluster_spec(_CLUSTER_SPEC.value)
     except ValueError as error:
-        raise app.UsageError(f"--cluster_spec: {error}") from error
+        raise ArgumentError(f"--cluster_spec: {error}") from None
     addresses = spec.get(_JOB.value)
     if addresses is None or _TASK.value >= len(addresses):
-        raise app.UsageError(f"--job={_JOB.value} --task={_TASK.value} is not in the cluster "
-                             f"spec {spec}")
+        jobs = ", ".join(f"{job} (tasks 0-{len(a) - 1})" for job, a in spec.items())
+        raise ArgumentError(f"--job={_JOB.value} --task={_TASK.value} is not in the cluster "
+                            f"spec, whose jobs are {jobs}: give a job and task of the spec")
     task = Task(_JOB.value, _TASK.value, addresses[_TASK.value])
     port = task.address.rpartition(":")[2]
     print(exposure_warning(port, _LIFETIME_S.value, _PARENT_PID.value,
@@ -61,13 +67,13 @@ def main(argv: list[str]) -> None:
         serve_worker(spec, task, _LIFETIME_S.value, _CPU_DEVICES.value, _PARENT_PID.value,
                      on_ready=ready)
     except Exception as error:  # TF's server start reports a busy port as UnknownError
-        raise SystemExit(f"worker {task} could not start: {type(error).__name__}: {error} "
-                         f"(is port {port} in use?)") from error
+        raise ClusterError(f"{task} could not start: {type(error).__name__}: {error} (is port "
+                           f"{port} in use?)") from None
 
 
 def run():
     """Console-script entry point."""
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":
