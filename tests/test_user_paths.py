@@ -104,3 +104,59 @@ def test_remat_ratio_fits_and_keeps_the_gradients(name):
                      remat_heuristic="offline", progress=None).report()["remat"]
     assert remat["loss_match"] and remat["gradients_match"]
     assert remat["measured_peak_bytes"] <= remat["budget_bytes"] * (1 + PEAK_TOLERANCE)
+
+
+def _keras_resnet(keras):
+    """A ResNet-style net with BatchNorm: two residual blocks, 16x16 images."""
+    layers = keras.layers
+    inputs = keras.Input((16, 16, 3))
+    x = layers.Conv2D(16, 3, padding="same")(inputs)
+    for _ in range(2):
+        y = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same")(x)))
+        y = layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same")(y))
+        x = layers.ReLU()(layers.Add()([x, y]))
+    return keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(x))), (16, 16, 3)
+
+
+def _keras_transformer(keras):
+    """A transformer block: 4-head attention, LayerNorm, MLP, over 32 tokens of width 32."""
+    layers = keras.layers
+    inputs = keras.Input((32, 32))
+    y = layers.MultiHeadAttention(4, 8)(inputs, inputs)
+    x = layers.LayerNormalization()(layers.Add()([inputs, y]))
+    y = layers.Dense(32)(layers.Dense(128, activation="relu")(x))
+    x = layers.LayerNormalization()(layers.Add()([x, y]))
+    return keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling1D()(x))), (32, 32)
+
+
+def _check_remat(remat: dict) -> None:
+    assert remat["loss_match"] and remat["gradients_match"]
+    assert remat["measured_peak_bytes"] <= remat["budget_bytes"] * (1 + PEAK_TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_keras_resnet, _keras_transformer],
+                         ids=["resnet_bn", "transformer"])
+def test_keras_steps_fit_through_both_keras_ways_in(build):
+    """The user's own ``tf.function`` step (``graph_item_from_function``) and the one-call
+    ``optimize_model`` on a compiled model, each at 0.8 of the measured peak."""
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    from graphfit.bench.reach import keras_step_item
+    from graphfit.pipeline.keras_fit import optimize_model
+
+    keras.utils.set_random_seed(0)
+    model, shape = build(keras)
+    x = np.random.default_rng(0).standard_normal((16, *shape), dtype=np.float32)
+    y = np.arange(16) % 10
+    item = keras_step_item("keras_cell", model, keras.optimizers.SGD(1e-2), x, y)
+    _check_remat(optimize(item, memory_ratio=0.8, remat_heuristic="offline",
+                          progress=None).report()["remat"])
+
+    model.compile(optimizer=keras.optimizers.SGD(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    step = optimize_model(model, x, y, memory_ratio=0.8, remat_heuristic="offline")
+    _check_remat(step.result.report()["remat"])
