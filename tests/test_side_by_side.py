@@ -15,7 +15,7 @@ import pytest
 from graphfit import models
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
-from graphfit.profiler.session import session_config, step_config, user_config
+from graphfit.profiler.session import EXACT_GRAPH, session_config, step_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE
 from graphfit.remat.rewrite import _join_anchors
 from graphfit.remat.schedule import plan_from_schedule
@@ -202,7 +202,7 @@ def test_an_untouched_step_runs_as_the_user_runs_it():
     assert result.item is item
     assert step_config(result.item) == user_config()
     rewritten = item.with_graph(item.graph)
-    rewritten.config = {**item.config, "remat": {"clones": 0}}
+    rewritten.config = {**item.config, EXACT_GRAPH: True}
     assert step_config(rewritten) == session_config()
 
 

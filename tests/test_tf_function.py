@@ -263,7 +263,7 @@ def test_optimize_rematerializes_a_keras_step_within_its_prediction():
     the optimizer's ``IdentityN`` over all gradients (a view, not new buffers), so the plan
     fits, the measured peak matches the prediction, and the rewritten step trains the model
     like the original one."""
-    baechi = pytest.importorskip("graphfit.baechi")
+    from graphfit import pipeline
 
     def mlp_step():
         keras.utils.set_random_seed(3)

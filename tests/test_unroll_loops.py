@@ -162,7 +162,7 @@ def test_unrolled_lstm_is_rematerialized_and_trains_like_the_keras_step():
     measured peak, rewritten with recomputations, measured within 5% of the budget, and the
     rewritten step trains the Keras model to the weights of the original step. Shapes where
     activations dominate the peak (sequence 16, batch 64, 32 units)."""
-    from graphfit import baechi
+    from graphfit import pipeline
 
     batch = _batch(batch=64, sequence=16)
     model, _, train_step = _rnn_step("LSTM", "sgd", sequence=16, units=32)
