@@ -186,6 +186,10 @@ MODELS: dict[str, Callable] = {
                              optimizer="sgd"),
     "keras_mobilenetv2": _keras("keras_mobilenetv2", _application("MobileNetV2"),
                                 (64, 64, 3), 8, optimizer="sgd"),
+    # Depthwise 7x7 convolutions as grouped Conv2D: nested XLA functions, inlined
+    # (profiler.inline_functions) and run on the depthwise kernels.
+    "keras_convnext_tiny": _keras("keras_convnext_tiny", _application("ConvNeXtTiny"),
+                                  (64, 64, 3), 4, optimizer="sgd"),
 }
 QUICK_MODELS = ("mlp/activations", "keras_lstm", "keras_gru", "keras_lstm_loop",
                 "keras_gru_loop", "keras_densenet", "keras_resnet50")

@@ -34,10 +34,14 @@ Rules:
   count is known when the step is traced are unrolled into the step by
   ``profiler.unroll_loops`` (per-step intermediates become ordinary tensors the passes see);
   other loops are refused with what to change (a fixed sequence length, ``unroll=True``).
-- **Other nested functions** (``StatefulPartitionedCall``, ``If`` branches, any attribute
-  naming a function) are opaque to the passes: such a step is refused with the names of the
-  nodes to inline (e.g. trace the step without nested ``tf.function`` calls or Keras
-  ``jit_compile``).
+- **Nested functions** called through ``StatefulPartitionedCall`` / ``PartitionedCall`` (a
+  user's helper ``tf.function``, Keras' grouped ``Conv2D``) and their gradient functions are
+  inlined (``profiler.inline_functions``), as Grappler's function optimizer does; a grouped
+  convolution Keras ran under XLA then runs on TF's depthwise kernels
+  (``profiler.grouped_convolutions``). Other
+  function-valued attributes (``If``/``Case`` branches) stay opaque to the passes: such a
+  step is refused with the names of the nodes (e.g. trace the step without ``tf.cond`` on
+  tensors, or without Keras ``jit_compile``).
 
 Example (``train_step`` a Keras 3 ``@tf.function`` step returning the loss)::
 
@@ -67,6 +71,8 @@ from tensorflow.python.eager import context as eager_context
 
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
+from graphfit.profiler.grouped_convolutions import use_depthwise_kernels
+from graphfit.profiler.inline_functions import inline_functions
 from graphfit.profiler.session import step_config
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.unroll_loops import LoopUnrollError, unroll_loops
@@ -265,6 +271,7 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
     graph_def = concrete.graph.as_graph_def()
     kept = {t.op.name for t in [*concrete.inputs, *concrete.outputs]} | \
         {op.name for op in concrete.graph.control_outputs}
+    graph_def, inlined = inline_functions(graph_def)
     try:
         graph_def, unrolled = unroll_loops(graph_def, keep=kept)
     except LoopUnrollError as error:
@@ -278,6 +285,7 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
     captures = {t.name: c for t, c in zip(concrete.inputs[num_data:], concrete.captured_inputs)}
     values = _replace_captures(graph_def, captures, _variables_by_handle(concrete))
     _captures_first(graph_def, captures)
+    graph_def, depthwise = use_depthwise_kernels(graph_def)     # needs the variables' shapes
 
     graph = tf.Graph()
     with graph.as_default():
@@ -297,7 +305,8 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
                         gradients=gradients, init_op=init_op.name, feeds=feeds, name=name,
                         config={"source": "tf.function",
                                 "function": getattr(fn, "__name__", str(fn)),
-                                "unrolled_loops": unrolled.trip_counts},
+                                "unrolled_loops": unrolled.trip_counts,
+                                "inlined_calls": inlined, "depthwise_kernels": depthwise},
                         data_inputs=data_inputs, captures=captures, input_signature=signature)
 
 

@@ -233,8 +233,9 @@ def test_step_without_gradients_is_refused():
         graph_item_from_function(forward, *_batch())
 
 
-def test_nested_functions_are_refused_as_opaque():
-    model, opt, _ = _keras_step(optimizer="sgd")
+def _nested_step(model, opt):
+    """The step through a nested tf.function (a user's helper), whose gradient TF runs as
+    another nested call."""
     inner = tf.function(lambda x: model(x))
 
     @tf.function
@@ -244,9 +245,57 @@ def test_nested_functions_are_refused_as_opaque():
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                 model.trainable_variables))
         return loss
+    return outer
+
+
+def test_nested_functions_are_inlined_and_train_like_the_original():
+    model, opt, _ = _keras_step(optimizer="sgd")
+    reference_model, reference_opt, _ = _keras_step(optimizer="sgd")
+    item = graph_item_from_function(_nested_step(model, opt), *_batch())
+    assert item.config["inlined_calls"] >= 2          # the forward call and its gradient
+    assert not item.graph.as_graph_def().library.function
+    assert len(item.gradients) == len(model.trainable_variables)
+    step, reference = to_callable(item), _nested_step(reference_model, reference_opt)
+    for seed in range(2):
+        batch = _batch(seed)
+        np.testing.assert_allclose(step(*batch).numpy(), reference(*batch).numpy(), rtol=1e-6)
+    _assert_same_state(_state(model, opt), _state(reference_model, reference_opt))
+
+
+def test_grouped_convolutions_are_inlined_and_rematerialized():
+    """Keras runs a grouped Conv2D (``groups == filters``, ConvNeXt's depthwise convolutions)
+    as a nested XLA-marked function: inlined, the passes see its convolutions."""
+    from graphfit.pipeline import optimize
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 8))
+    x = keras.layers.Conv2D(8, 3, padding="same", groups=8)(inputs)
+    x = keras.layers.Conv2D(16, 1)(x)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
+    step = classifier_train_step(model, keras.optimizers.SGD(1e-2))
+    x_batch = np.random.default_rng(0).standard_normal((4, 16, 16, 8), dtype=np.float32)
+    item = graph_item_from_function(step, x_batch, np.arange(4) % 10)
+    assert any(op.type == "Conv2DBackpropFilter" for op in item.graph.get_operations())
+    remat = optimize(item, memory_ratio=0.8, remat_heuristic="offline",
+                     progress=None).report()["remat"]
+    assert remat["loss_match"] and remat["gradients_match"]
+
+
+def test_conditionals_are_refused_as_opaque():
+    model, opt, _ = _keras_step(optimizer="sgd")
+
+    @tf.function
+    def branchy(x, y):
+        with tf.GradientTape() as tape:
+            out = model(x)
+            loss = tf.cond(tf.reduce_sum(x) > 0, lambda: tf.reduce_mean(tf.square(y - out)),
+                           lambda: tf.reduce_mean(tf.abs(y - out)))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
 
     with pytest.raises(FunctionItemError, match="opaque"):
-        graph_item_from_function(outer, *_batch())
+        graph_item_from_function(branchy, *_batch())
 
 
 def test_callable_needs_the_function_item(traced):
