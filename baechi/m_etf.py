@@ -164,9 +164,15 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     for u in builder.initially_ready():
         on_ready(u)
     remaining = units.num_units
+    # Each device's best candidate, recomputed only for the devices whose state changed: a
+    # stale estimate re-queued on d changes d's heaps only, anything else may change all.
+    candidates = [None] * num_devices
+    changed = all_devices
     while remaining:
-        best = min(filter(None, map(candidate, all_devices)), default=None,
-                   key=lambda c: c[:4])
+        for d in changed:
+            candidates[d] = candidate(d)
+        changed = all_devices
+        best = min(filter(None, candidates), default=None, key=lambda c: c[:4])
         if best is None:
             if any(held):  # nothing else can run: let the held-back units use all memory
                 _requeue(held, enqueue)
@@ -196,6 +202,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             drop(u, d, heap)
             queued[u] |= 1 << d
             heapq.heappush(waiting[d], (now_ready, priority[u], u))
+            changed = (d,)
             continue
         drop(u, d, heap)
         if builder.advance(start):

@@ -386,8 +386,39 @@ class ScheduleBuilder:
         return self.units_on[src][k] if k >= 0 and ends[k] > available else -1
 
     def data_ready_us(self, u: int, d: int) -> float:
-        """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue)."""
-        return self._incoming(u, d)[0]
+        """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue):
+        ``_incoming``'s time without its list of sends (the placers' hot query)."""
+        if self.late_sends or self.gates is not None or self.transient_copies:
+            return self._incoming(u, d)[0]
+        ready = 0.0
+        needed = []
+        dd, device, finish, arrival = self.num_devices, self.device, self.finish, self.arrival
+        producer = self._t_producer
+        for t in self._inputs[u]:
+            p = producer[t]
+            src = device[p]
+            if src == d:
+                when = finish[p]
+            else:
+                when = arrival.get(t * dd + d)
+                if when is None:
+                    needed.append((finish[p], t, src))
+                    continue
+            if when > ready:
+                ready = when
+        if not needed:
+            return ready
+        needed.sort()
+        a, b, t_comm = self._a, self._b, self._t_comm
+        sent: dict[int, float] = {}
+        received = self.recv_free[d]
+        for available, t, src in needed:
+            if self.contention:
+                begin = max(available, sent.get(src, self.send_free[src]), received)
+            else:
+                begin = max(available, sent.get(src, self.link_free[src][d]))
+            sent[src] = received = begin + (a[src][d] * t_comm[t] + b[src][d])
+        return max(ready, received) if self.contention else max(ready, *sent.values())
 
     def shortfall_bytes(self, u: int, d: int) -> int:
         """Bytes by which unit ``u`` does not fit on device ``d`` now (<= 0: it fits).
