@@ -167,11 +167,13 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     # Each device's best candidate, recomputed only for the devices whose state changed: a
     # stale estimate re-queued on d changes d's heaps only, anything else may change all.
     candidates = [None] * num_devices
-    changed = all_devices
+    # The (unit, device) whose estimate the previous iteration refreshed and nothing changed
+    # since: its re-check would give the same time.
+    changed, checked = all_devices, None
     while remaining:
         for d in changed:
             candidates[d] = candidate(d)
-        changed = all_devices
+        changed, fresh, checked = all_devices, checked, None
         best = min(filter(None, candidates), default=None, key=lambda c: c[:4])
         if best is None:
             if any(held):  # nothing else can run: let the held-back units use all memory
@@ -197,13 +199,14 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                     enqueue(u, devs)
             continue
         start, _, ready, d, u, heap = best
-        now_ready = builder.data_ready_us(u, d)
-        if now_ready > ready + _EPS_US:  # a link got busier since the estimate
-            drop(u, d, heap)
-            queued[u] |= 1 << d
-            heapq.heappush(waiting[d], (now_ready, priority[u], u))
-            changed = (d,)
-            continue
+        if (u, d) != fresh:
+            now_ready = builder.data_ready_us(u, d)
+            if now_ready > ready + _EPS_US:  # a link got busier since the estimate
+                drop(u, d, heap)
+                queued[u] |= 1 << d
+                heapq.heappush(waiting[d], (now_ready, priority[u], u))
+                changed, checked = (d,), (u, d)
+                continue
         drop(u, d, heap)
         if builder.advance(start):
             _requeue(blocked, enqueue)
