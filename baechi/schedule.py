@@ -4,8 +4,8 @@
 times (list scheduling): a unit starts when its device is free and its inputs have arrived;
 a tensor crossing devices is sent once per destination device (later readers there reuse the
 copy), each transfer starting when the tensor exists and its channel is free. Under the
-devices' ``link_model`` (``baechi.devices``) that channel is the sender's send queue and the
-receiver's receive queue together (``"contention"``, Baechi's model) or the ordered device pair
+devices' ``link_model`` (``baechi.devices``) that channel is the sender's and the receiver's
+one channel together (``"contention"``, Baechi's model) or the ordered device pair
 (``"parallel"``). m-TOPO, m-ETF and m-SCT differ only in which unit
 they commit next and where; ``simulate`` replays a given placement and order with the same
 machinery, so a placer's schedule and the simulated step are the same computation.
@@ -296,8 +296,7 @@ class ScheduleBuilder:
         self.units_on: list[list[int]] = [[] for _ in range(d)]
         self.contention = devices.link_model == "contention"
         self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
-        self.send_free = [0.0] * d                       # contention: per device and direction
-        self.recv_free = [0.0] * d
+        self.channel_free = [0.0] * d                    # contention: per device
         self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
         self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
@@ -348,7 +347,7 @@ class ScheduleBuilder:
         if needed:
             needed.sort()
             sent: dict[int, float] = {}  # source -> when its channel to d is free again
-            received = self.recv_free[d]
+            received = self.channel_free[d]
             wanted = max(self.clock, self.device_free[d])  # when u could start on d
             for available, t, src in needed:
                 cost = self._a[src][d] * self._t_comm[t] + self._b[src][d]
@@ -368,7 +367,7 @@ class ScheduleBuilder:
                 if self.transient_copies and self.monotone and available < self.wait_us[u]:
                     available = self.wait_us[u]  # a unit that waited for memory (hold_sends)
                 if self.contention:
-                    begin = max(available, sent.get(src, self.send_free[src]), received)
+                    begin = max(available, sent.get(src, self.channel_free[src]), received)
                 else:
                     begin = max(available, sent.get(src, self.link_free[src][d]))
                 end = begin + cost
@@ -411,10 +410,10 @@ class ScheduleBuilder:
         needed.sort()
         a, b, t_comm = self._a, self._b, self._t_comm
         sent: dict[int, float] = {}
-        received = self.recv_free[d]
+        received = self.channel_free[d]
         for available, t, src in needed:
             if self.contention:
-                begin = max(available, sent.get(src, self.send_free[src]), received)
+                begin = max(available, sent.get(src, self.channel_free[src]), received)
             else:
                 begin = max(available, sent.get(src, self.link_free[src][d]))
             sent[src] = received = begin + (a[src][d] * t_comm[t] + b[src][d])
@@ -572,7 +571,7 @@ class ScheduleBuilder:
         if self.group_device[self._group[u]] == -1:
             self.pin_group(self._group[u], d)
         for t, src, t_begin, t_end, gate in sends:
-            self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
+            self.link_free[src][d] = self.channel_free[src] = self.channel_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end, gate, u))
             if not self.transient_copies:
