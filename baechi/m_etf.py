@@ -58,8 +58,10 @@ def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
         devices: the devices, their memory limits and link costs.
         memory_model: ``"liveness"`` (default) or ``"static"`` for the fit test.
         favourite_parent: per unit, the parent whose device it should run on (-1: none).
-            m-SCT passes its rounded LP solution here; a unit whose favourite parent's
-            device has room goes there, otherwise it is placed as in plain ETF.
+            m-SCT passes its rounded LP solution here; a unit goes to its favourite parent's
+            device when that device has room and, when the unit becomes ready, would start
+            it no later than any other device (SCT's rule: the favourite child follows its
+            parent unless that delays it); otherwise it is placed as in plain ETF.
         method: name used in error messages.
         memory_first_only: skip list scheduling and go straight to the repair step (a caller
             that already saw list scheduling fail at a higher limit).
@@ -116,10 +118,17 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         if pinned != -1:
             enqueue(u, (pinned,))
         elif fav is not None and fav[u] != -1 and builder.shortfall_bytes(
-                u, builder.device[fav[u]]) <= 0:
+                u, builder.device[fav[u]]) <= 0 and starts_earliest_on(
+                    u, builder.device[fav[u]]):
             enqueue(u, (builder.device[fav[u]],))
         else:
             enqueue(u, all_devices)
+
+    def starts_earliest_on(u: int, d: int) -> bool:
+        """Whether ``u`` could start on ``d`` no later than on any other device, now."""
+        free = builder.device_free
+        starts = [max(free[e], builder.clock, builder.data_ready_us(u, e)) for e in all_devices]
+        return starts[d] <= min(starts) + _EPS_US
 
     def drop(u: int, d: int, heap: list) -> None:
         """Remove u's entry, normally the top (a requeue may have pushed a smaller one)."""
