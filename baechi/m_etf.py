@@ -107,28 +107,28 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     held: list[set[int]] = [set() for _ in all_devices]
     use_reserve = False
 
-    def enqueue(u: int, devs) -> None:
+    def enqueue(u: int, devs, ready: list[float] | None = None) -> None:
         for d in devs:
             if not queued[u] >> d & 1:
                 queued[u] |= 1 << d
-                heapq.heappush(waiting[d], (builder.data_ready_us(u, d), priority[u], u))
+                when = ready[d] if ready is not None else builder.data_ready_us(u, d)
+                heapq.heappush(waiting[d], (when, priority[u], u))
 
     def on_ready(u: int) -> None:
         pinned = builder.group_device[group[u]]
         if pinned != -1:
             enqueue(u, (pinned,))
-        elif fav is not None and fav[u] != -1 and builder.shortfall_bytes(
-                u, builder.device[fav[u]]) <= 0 and starts_earliest_on(
-                    u, builder.device[fav[u]]):
-            enqueue(u, (builder.device[fav[u]],))
-        else:
-            enqueue(u, all_devices)
-
-    def starts_earliest_on(u: int, d: int) -> bool:
-        """Whether ``u`` could start on ``d`` no later than on any other device, now."""
-        free = builder.device_free
-        starts = [max(free[e], builder.clock, builder.data_ready_us(u, e)) for e in all_devices]
-        return starts[d] <= min(starts) + _EPS_US
+            return
+        ready = [builder.data_ready_us(u, d) for d in all_devices]
+        if fav is not None and fav[u] != -1:
+            # SCT's rule: the favourite child follows its parent unless that delays it
+            d = builder.device[fav[u]]
+            free, clock = builder.device_free, builder.clock
+            start = [max(free[e], clock, ready[e]) for e in all_devices]
+            if start[d] <= min(start) + _EPS_US and builder.shortfall_bytes(u, d) <= 0:
+                enqueue(u, (d,), ready)
+                return
+        enqueue(u, all_devices, ready)
 
     def drop(u: int, d: int, heap: list) -> None:
         """Remove u's entry, normally the top (a requeue may have pushed a smaller one)."""
