@@ -107,10 +107,13 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     held: list[set[int]] = [set() for _ in all_devices]
     use_reserve = False
 
+    touched: set[int] = set()  # devices whose heaps got a unit since their candidate was taken
+
     def enqueue(u: int, devs, ready: list[float] | None = None) -> None:
         for d in devs:
             if not queued[u] >> d & 1:
                 queued[u] |= 1 << d
+                touched.add(d)
                 when = ready[d] if ready is not None else builder.data_ready_us(u, d)
                 heapq.heappush(waiting[d], (when, priority[u], u))
 
@@ -180,8 +183,14 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     # since: its re-check would give the same time.
     changed, checked = all_devices, None
     while remaining:
+        touched.clear()
         for d in changed:
             candidates[d] = candidate(d)
+        while touched.difference(changed):  # a unit moved to its group's device meanwhile
+            changed = sorted(touched)
+            touched.clear()
+            for d in changed:
+                candidates[d] = candidate(d)
         changed, fresh, checked = all_devices, checked, None
         best = min(filter(None, candidates), default=None, key=lambda c: c[:4])
         if best is None:
