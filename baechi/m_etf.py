@@ -192,7 +192,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             for d in changed:
                 candidates[d] = candidate(d)
         changed, fresh, checked = all_devices, checked, None
-        best = min(filter(None, candidates), default=None, key=lambda c: c[:4])
+        best = min(filter(None, candidates), default=None)  # devices differ: no tie past d
         if best is None:
             if any(held):  # nothing else can run: let the held-back units use all memory
                 _requeue(held, enqueue)
