@@ -186,7 +186,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         touched.clear()
         for d in changed:
             candidates[d] = candidate(d)
-        while touched.difference(changed):  # a unit moved to its group's device meanwhile
+        while touched and touched.difference(changed):  # a unit moved to its group's device
             changed = sorted(touched)
             touched.clear()
             for d in changed:

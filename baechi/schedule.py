@@ -409,15 +409,22 @@ class ScheduleBuilder:
             return ready
         needed.sort()
         a, b, t_comm = self._a, self._b, self._t_comm
+        if self.contention:  # d's channel takes them one by one (a source's earlier send too)
+            channel = self.channel_free
+            received = channel[d]
+            for available, t, src in needed:
+                begin = channel[src]
+                if available > begin:
+                    begin = available
+                if received > begin:
+                    begin = received
+                received = begin + (a[src][d] * t_comm[t] + b[src][d])
+            return received if received > ready else ready
         sent: dict[int, float] = {}
-        received = self.channel_free[d]
         for available, t, src in needed:
-            if self.contention:
-                begin = max(available, sent.get(src, self.channel_free[src]), received)
-            else:
-                begin = max(available, sent.get(src, self.link_free[src][d]))
-            sent[src] = received = begin + (a[src][d] * t_comm[t] + b[src][d])
-        return max(ready, received) if self.contention else max(ready, *sent.values())
+            begin = max(available, sent.get(src, self.link_free[src][d]))
+            sent[src] = begin + (a[src][d] * t_comm[t] + b[src][d])
+        return max(ready, *sent.values())
 
     def shortfall_bytes(self, u: int, d: int) -> int:
         """Bytes by which unit ``u`` does not fit on device ``d`` now (<= 0: it fits).
