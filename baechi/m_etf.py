@@ -58,8 +58,10 @@ def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
         devices: the devices, their memory limits and link costs.
         memory_model: ``"liveness"`` (default) or ``"static"`` for the fit test.
         favourite_parent: per unit, the parent whose device it should run on (-1: none).
-            m-SCT passes its rounded LP solution here; a unit whose favourite parent's
-            device has room goes there, otherwise it is placed as in plain ETF.
+            m-SCT passes its rounded LP solution here; a unit goes to its favourite parent's
+            device when that device has room and, when the unit becomes ready, would start
+            it no later than any other device (SCT's rule: the favourite child follows its
+            parent unless that delays it); otherwise it is placed as in plain ETF.
         method: name used in error messages.
         memory_first_only: skip list scheduling and go straight to the repair step (a caller
             that already saw list scheduling fail at a higher limit).
@@ -105,21 +107,31 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     held: list[set[int]] = [set() for _ in all_devices]
     use_reserve = False
 
-    def enqueue(u: int, devs) -> None:
+    touched: set[int] = set()  # devices whose heaps got a unit since their candidate was taken
+
+    def enqueue(u: int, devs, ready: list[float] | None = None) -> None:
         for d in devs:
             if not queued[u] >> d & 1:
                 queued[u] |= 1 << d
-                heapq.heappush(waiting[d], (builder.data_ready_us(u, d), priority[u], u))
+                touched.add(d)
+                when = ready[d] if ready is not None else builder.data_ready_us(u, d)
+                heapq.heappush(waiting[d], (when, priority[u], u))
 
     def on_ready(u: int) -> None:
         pinned = builder.group_device[group[u]]
         if pinned != -1:
             enqueue(u, (pinned,))
-        elif fav is not None and fav[u] != -1 and builder.shortfall_bytes(
-                u, builder.device[fav[u]]) <= 0:
-            enqueue(u, (builder.device[fav[u]],))
-        else:
-            enqueue(u, all_devices)
+            return
+        ready = [builder.data_ready_us(u, d) for d in all_devices]
+        if fav is not None and fav[u] != -1:
+            # SCT's rule: the favourite child follows its parent unless that delays it
+            d = builder.device[fav[u]]
+            free, clock = builder.device_free, builder.clock
+            start = [max(free[e], clock, ready[e]) for e in all_devices]
+            if start[d] <= min(start) + _EPS_US and builder.shortfall_bytes(u, d) <= 0:
+                enqueue(u, (d,), ready)
+                return
+        enqueue(u, all_devices, ready)
 
     def drop(u: int, d: int, heap: list) -> None:
         """Remove u's entry, normally the top (a requeue may have pushed a smaller one)."""
@@ -164,9 +176,23 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     for u in builder.initially_ready():
         on_ready(u)
     remaining = units.num_units
+    # Each device's best candidate, recomputed only for the devices whose state changed: a
+    # stale estimate re-queued on d changes d's heaps only, anything else may change all.
+    candidates = [None] * num_devices
+    # The (unit, device) whose estimate the previous iteration refreshed and nothing changed
+    # since: its re-check would give the same time.
+    changed, checked = all_devices, None
     while remaining:
-        best = min(filter(None, map(candidate, all_devices)), default=None,
-                   key=lambda c: c[:4])
+        touched.clear()
+        for d in changed:
+            candidates[d] = candidate(d)
+        while touched and touched.difference(changed):  # a unit moved to its group's device
+            changed = sorted(touched)
+            touched.clear()
+            for d in changed:
+                candidates[d] = candidate(d)
+        changed, fresh, checked = all_devices, checked, None
+        best = min(filter(None, candidates), default=None)  # devices differ: no tie past d
         if best is None:
             if any(held):  # nothing else can run: let the held-back units use all memory
                 _requeue(held, enqueue)
@@ -191,12 +217,14 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                     enqueue(u, devs)
             continue
         start, _, ready, d, u, heap = best
-        now_ready = builder.data_ready_us(u, d)
-        if now_ready > ready + _EPS_US:  # a link got busier since the estimate
-            drop(u, d, heap)
-            queued[u] |= 1 << d
-            heapq.heappush(waiting[d], (now_ready, priority[u], u))
-            continue
+        if (u, d) != fresh:
+            now_ready = builder.data_ready_us(u, d)
+            if now_ready > ready + _EPS_US:  # a link got busier since the estimate
+                drop(u, d, heap)
+                queued[u] |= 1 << d
+                heapq.heappush(waiting[d], (now_ready, priority[u], u))
+                changed, checked = (d,), (u, d)
+                continue
         drop(u, d, heap)
         if builder.advance(start):
             _requeue(blocked, enqueue)

@@ -4,8 +4,8 @@
 times (list scheduling): a unit starts when its device is free and its inputs have arrived;
 a tensor crossing devices is sent once per destination device (later readers there reuse the
 copy), each transfer starting when the tensor exists and its channel is free. Under the
-devices' ``link_model`` (``baechi.devices``) that channel is the sender's send queue and the
-receiver's receive queue together (``"contention"``, Baechi's model) or the ordered device pair
+devices' ``link_model`` (``baechi.devices``) that channel is the sender's and the receiver's
+one channel together (``"contention"``, Baechi's model) or the ordered device pair
 (``"parallel"``). m-TOPO, m-ETF and m-SCT differ only in which unit
 they commit next and where; ``simulate`` replays a given placement and order with the same
 machinery, so a placer's schedule and the simulated step are the same computation.
@@ -296,8 +296,7 @@ class ScheduleBuilder:
         self.units_on: list[list[int]] = [[] for _ in range(d)]
         self.contention = devices.link_model == "contention"
         self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
-        self.send_free = [0.0] * d                       # contention: per device and direction
-        self.recv_free = [0.0] * d
+        self.channel_free = [0.0] * d                    # contention: per device
         self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
         self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
@@ -348,7 +347,7 @@ class ScheduleBuilder:
         if needed:
             needed.sort()
             sent: dict[int, float] = {}  # source -> when its channel to d is free again
-            received = self.recv_free[d]
+            received = self.channel_free[d]
             wanted = max(self.clock, self.device_free[d])  # when u could start on d
             for available, t, src in needed:
                 cost = self._a[src][d] * self._t_comm[t] + self._b[src][d]
@@ -368,7 +367,7 @@ class ScheduleBuilder:
                 if self.transient_copies and self.monotone and available < self.wait_us[u]:
                     available = self.wait_us[u]  # a unit that waited for memory (hold_sends)
                 if self.contention:
-                    begin = max(available, sent.get(src, self.send_free[src]), received)
+                    begin = max(available, sent.get(src, self.channel_free[src]), received)
                 else:
                     begin = max(available, sent.get(src, self.link_free[src][d]))
                 end = begin + cost
@@ -386,8 +385,46 @@ class ScheduleBuilder:
         return self.units_on[src][k] if k >= 0 and ends[k] > available else -1
 
     def data_ready_us(self, u: int, d: int) -> float:
-        """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue)."""
-        return self._incoming(u, d)[0]
+        """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue):
+        ``_incoming``'s time without its list of sends (the placers' hot query)."""
+        if self.late_sends or self.gates is not None or self.transient_copies:
+            return self._incoming(u, d)[0]
+        ready = 0.0
+        needed = []
+        dd, device, finish, arrival = self.num_devices, self.device, self.finish, self.arrival
+        producer = self._t_producer
+        for t in self._inputs[u]:
+            p = producer[t]
+            src = device[p]
+            if src == d:
+                when = finish[p]
+            else:
+                when = arrival.get(t * dd + d)
+                if when is None:
+                    needed.append((finish[p], t, src))
+                    continue
+            if when > ready:
+                ready = when
+        if not needed:
+            return ready
+        needed.sort()
+        a, b, t_comm = self._a, self._b, self._t_comm
+        if self.contention:  # d's channel takes them one by one (a source's earlier send too)
+            channel = self.channel_free
+            received = channel[d]
+            for available, t, src in needed:
+                begin = channel[src]
+                if available > begin:
+                    begin = available
+                if received > begin:
+                    begin = received
+                received = begin + (a[src][d] * t_comm[t] + b[src][d])
+            return received if received > ready else ready
+        sent: dict[int, float] = {}
+        for available, t, src in needed:
+            begin = max(available, sent.get(src, self.link_free[src][d]))
+            sent[src] = begin + (a[src][d] * t_comm[t] + b[src][d])
+        return max(ready, *sent.values())
 
     def shortfall_bytes(self, u: int, d: int) -> int:
         """Bytes by which unit ``u`` does not fit on device ``d`` now (<= 0: it fits).
@@ -541,7 +578,7 @@ class ScheduleBuilder:
         if self.group_device[self._group[u]] == -1:
             self.pin_group(self._group[u], d)
         for t, src, t_begin, t_end, gate in sends:
-            self.link_free[src][d] = self.send_free[src] = self.recv_free[d] = t_end
+            self.link_free[src][d] = self.channel_free[src] = self.channel_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end, gate, u))
             if not self.transient_copies:

@@ -19,8 +19,8 @@ Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``
   seeds each (``VARIANTS``: narrow and wide layers, random windows of 50, 200 and 2,000, fork-join
   with few short branches and with many, training-like with dense residuals), 1,000-2,000
   ops, both placers and both link models.
-- ``scale``: m-ETF and m-SCT on 100,000-op graphs, each in a fresh process, with wall and CPU
-  seconds and the process's peak RSS.
+- ``scale``: m-ETF and m-SCT on 100,000-op graphs (training-like, layered, random), each in a
+  fresh process, with wall and CPU seconds and the process's peak RSS.
 - ``planned_vs_measured``: small models profiled on one device, placed with m-ETF on a local TF
   gRPC cluster (2 workers) and on 4 virtual CPU devices under each link model, run, and the
   planned makespan set beside the measured median step time and beside the prediction: the
@@ -217,8 +217,8 @@ def _scale() -> list[dict]:
     """Each placement in a fresh process, so its peak RSS is its own."""
     context = multiprocessing.get_context("spawn")
     rows = []
-    for family, methods in (("training_like", ("m_etf", "m_sct")), ("layered", ("m_etf", "m_sct"))):
-        for method in methods:
+    for family in ("training_like", "layered", "random"):
+        for method in ("m_etf", "m_sct"):
             for link_model in LINK_MODELS:
                 queue = context.Queue()
                 child = context.Process(target=_scale_child,

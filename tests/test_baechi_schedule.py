@@ -51,13 +51,15 @@ def test_transfers_serialise_per_link_direction_and_copies_are_reused():
     assert len(s.transfer_tensor) == 2
 
 
-def test_opposite_directions_do_not_serialise():
+def test_opposite_directions_share_a_channel_under_contention_only():
     units = _units([OpSpec("a", "X", output_bytes=[1000], compute_us=1),
                     OpSpec("b", "X", output_bytes=[1000], compute_us=1),
                     OpSpec("c", "X", inputs=[("a", 0)], compute_us=1),
                     OpSpec("d", "X", inputs=[("b", 0)], compute_us=1)])
-    s = simulate(units, _devices(), [0, 1, 1, 0])
-    assert s.makespan_us == 1 + 12 + 1
+    # one channel per device (Baechi's model): b's copy [13, 25] waits for a's [1, 13]
+    assert simulate(units, _devices(), [0, 1, 1, 0]).makespan_us == 1 + 12 + 12 + 1
+    parallel = _devices().with_link_model("parallel")
+    assert simulate(units, parallel, [0, 1, 1, 0]).makespan_us == 1 + 12 + 1
 
 
 def test_liveness_and_static_peaks():

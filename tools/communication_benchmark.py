@@ -29,9 +29,9 @@ Contention: with a third device, the same ``--contention_bytes`` tensor is sent 
 to one destination, and then to two destinations at once (two chains in one run); each is
 timed against the local baseline as above. If two concurrent transfers out of one device take
 at least ``CONTENTION_RATIO`` times as long as one, they share the sender's channel and the
-JSON's ``"link_model"`` is ``"contention"`` (Baechi's model: one send and one receive queue per
-device), else ``"parallel"`` (``baechi.devices``). With two devices only (``--transport=gpu``
-on two GPUs) nothing is measured and the JSON says so.
+JSON's ``"link_model"`` is ``"contention"`` (Baechi's model: one channel per device, for sends
+and receives alike), else ``"parallel"`` (``baechi.devices``). With two devices only
+(``--transport=gpu`` on two GPUs) nothing is measured and the JSON says so.
 
 Output: ``--comm_cost_coeffs=a,b`` on stdout, and the per-link JSON that
 ``baechi.devices.DeviceSet.from_json`` reads (``default`` and directional ``links``, plus the
