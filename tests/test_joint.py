@@ -223,3 +223,30 @@ def test_search_plans_every_order_it_is_given_and_keeps_the_cheapest(chain):
         assert len(option.plan.stats["orders"]) == 2 and option.model in (model, twin)
         cheapest = min(o for o in option.plan.stats["orders"] if o is not None)
         assert option.overhead == pytest.approx(cheapest, abs=1e-4)     # orders are rounded
+
+
+def test_an_option_measured_over_its_limits_gives_way_to_the_next(monkeypatch):
+    """Joint mode's closed loop: the fastest option, measured over a device's limit, is not
+    returned; the next fastest is built and measured instead."""
+    from graphfit import models
+    from graphfit.baechi.run import local_target
+    from graphfit.pipeline import meta_optimizer
+
+    real, built = meta_optimizer.check_placement, []
+
+    def check_placement(item, placed, placement, target):
+        report = real(item, placed, placement, target)
+        built.append(placement.options["method"])
+        if len(built) == 1:                        # the first option measures 10% over
+            name = placement.devices.names[0]
+            report["measured_peak_bytes"][name] = int(report["limit_bytes"][name] * 1.1)
+        return report
+
+    monkeypatch.setattr(meta_optimizer, "check_placement", check_placement)
+    target = local_target(2)
+    devices = DeviceSet.uniform(list(target.devices), "64MiB", "0.0001754,134")
+    result = optimize(models.build("mlp", preset="tiny"), target=target, devices=devices,
+                      joint=JointSpace((1.0,), ("m_etf", "m_topo")), progress=None)
+    tried = result.report()["joint"]["tried"]
+    assert len(built) == 2 and tried[0]["over_limit_bytes"] and not tried[1]["over_limit_bytes"]
+    assert result.report()["joint"]["built"]["method"] == built[1]
