@@ -223,7 +223,7 @@ def _best(options: Sequence[Option]) -> Option | None:
 
 def search(models, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None = None,
            ratios: Sequence[float] = DEFAULT_RATIOS, methods: Sequence[str] = DEFAULT_METHODS,
-           heuristic: str = "dtr", overhead_limit: float = 2.0,
+           heuristic: str = "offline", overhead_limit: float = 2.0,
            place_options: dict[str, Any] | None = None, refine_steps: int = REFINE_STEPS,
            progress: bool = True) -> JointSearch:
     """Search remat budgets and placers together for the fastest step that fits every device.

@@ -123,7 +123,7 @@ def _budget_message(error: BudgetError, memory_budget, memory_ratio,
 
 
 def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
-                   memory_ratio: float | None = None, remat_heuristic: str = "dtr",
+                   memory_ratio: float | None = None, remat_heuristic: str = "offline",
                    remat_overhead_limit: float = 2.0, verify: bool = True,
                    progress: Callable[[str], None] | None = None) -> OptimizedStep:
     """The training step of a compiled Keras 3 ``model``, optimized to a memory budget.

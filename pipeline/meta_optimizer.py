@@ -95,7 +95,7 @@ class OptimizeResult:
 def optimize(item: GraphItem, *,
              memory_budget: int | str | None = None, memory_ratio: float | None = None,
              joint: "JointSpace | None" = None,
-             remat_heuristic: str = "dtr", remat_overhead_limit: float = 2.0,
+             remat_heuristic: str = "offline", remat_overhead_limit: float = 2.0,
              target: RunTarget | None = None, devices: DeviceSet | None = None,
              profile: Profile | None = None, place_options: dict[str, Any] | None = None,
              verify: bool = True, verify_structure: bool = False, skip: Iterable[str] = (),

@@ -53,9 +53,11 @@ flags.DEFINE_string("memory_budget", None, "Rematerialize to fit this peak memor
                     "a size such as 300MiB or 1.5GiB (resident variables and feeds included).")
 flags.DEFINE_float("memory_ratio", None, "Rematerialize to fit this fraction of the measured "
                    "baseline peak (alternative to --memory_budget).")
-flags.DEFINE_string("remat_heuristic", "dtr", "Rematerialization planner: a DTR heuristic (dtr, "
-                    "dtr_eq, dtr_local, lru, size, msps, random, belady, offline) or a baseline "
-                    "(checkpoint_all, chen_sqrt_n, chen_greedy, checkmate).")
+flags.DEFINE_string("remat_heuristic", "offline", "Rematerialization planner: offline (the "
+                    "default: plans knowing the whole step, best or tied on every model "
+                    "measured), a DTR heuristic (dtr, dtr_eq, dtr_local, lru, size, msps, "
+                    "random, belady) or a baseline (checkpoint_all, chen_sqrt_n, chen_greedy, "
+                    "checkmate).")
 flags.DEFINE_float("remat_overhead_limit", 2.0, "Give up (thrash) when recomputation would "
                    "exceed this multiple of the step's compute.")
 flags.DEFINE_enum("placement_method", None, ["m_topo", "m_etf", "m_sct"],
