@@ -103,9 +103,11 @@ flags.DEFINE_float("cluster_timeout_s", 20.0, "On a gRPC cluster: bound on every
                    "(a step, a traced step, a close); a worker that is killed, stopped or "
                    "missing ends the run with an error within about twice this.",
                    lower_bound=1.0)
-flags.DEFINE_boolean("isolated_network", False, "With --cluster=grpc: run the client and its "
+flags.DEFINE_boolean("isolated_network", None, "With --cluster=grpc: run the client and its "
                      "workers in a private network namespace that has only loopback (unshare "
-                     "--user --net), so no other host can reach the workers' ports.")
+                     "--user --net), so no other host can reach the workers' ports. Default: "
+                     "isolated wherever the platform allows, else a warning; --isolated_network "
+                     "requires it (an error where impossible), --noisolated_network opts out.")
 
 
 def _model_kwargs() -> dict:
@@ -423,23 +425,43 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
 
 
 def _isolate_network() -> None:
-    """--isolated_network: re-execute this binary in a loopback-only network namespace."""
-    from graphfit.baechi.netns import NamespaceError, enter_isolated_network
+    """Keep the gRPC workers this binary starts off the network: TF's server listens on every
+    interface without authentication, so with --cluster=grpc the binary re-executes itself in
+    a loopback-only network namespace wherever the platform allows (``baechi.netns``). Where
+    it does not, the run goes on with a warning in this binary's own output (the workers'
+    warnings go to their logs, which nobody reads), unless --isolated_network demanded it."""
+    from graphfit.baechi.netns import NamespaceError, enter_isolated_network, unavailable_reason
 
-    if FLAGS.cluster_spec is not None or FLAGS.cluster != "grpc":
+    spawns_workers = FLAGS.cluster_spec is None and FLAGS.cluster == "grpc"
+    if FLAGS.isolated_network and not spawns_workers:
         raise ArgumentError("--isolated_network is for workers this binary starts itself "
                              "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
+    if not spawns_workers or FLAGS.isolated_network is False:
+        if spawns_workers:
+            _exposure_warning("--noisolated_network was given")
+        return
+    reason = None if FLAGS.isolated_network else unavailable_reason()
+    if reason is not None:
+        _exposure_warning(reason)
+        return
     try:
         enter_isolated_network([sys.executable, "-m", "graphfit.tools.train", *sys.argv[1:]])
     except NamespaceError as error:
         raise SystemExit(f"--isolated_network: {error}") from error
 
 
+def _exposure_warning(reason: str) -> None:
+    print(f"train: warning: the {FLAGS.num_devices} gRPC workers of this run are not isolated "
+          f"({reason}): TensorFlow's server listens on every network interface with no "
+          "authentication, so any host that reaches their ports can run code as you until the "
+          "run ends. Run on a trusted network or behind a firewall, or use --cluster=local.",
+          file=sys.stderr, flush=True)
+
+
 def main(argv):
     del argv
     check_flags()
-    if FLAGS.isolated_network:
-        _isolate_network()
+    _isolate_network()
     from graphfit import models
     from graphfit.baechi.cluster import ClusterError
     from graphfit.profiler.profile import atomic_write_json
