@@ -45,7 +45,7 @@ from graphfit.pipeline.passes import GRAPH_PASS_NAMES, PASSES, check_skip, run_g
 from graphfit.pipeline.verify import verify_placement, verify_rewrite
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import run_once
-from graphfit.profiler.sizes import parse_bytes
+from graphfit.profiler.sizes import format_bytes, parse_bytes
 from graphfit.profiler.trace import print_progress, profile_graph
 from graphfit.remat.closed_loop import PEAK_TOLERANCE, fit_budget
 from graphfit.remat.pipeline import PLANNERS, BudgetError
@@ -259,7 +259,7 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     records.append(PassRecord("remat", plan.num_recomputes > 0, time.perf_counter() - begin,
                               details))
     say(f"remat: {plan.num_recomputes} recomputations, planned peak "
-        f"{plan.peak_bytes / 2**20:.1f} MiB (budget {plan.budget_bytes / 2**20:.1f} MiB), "
+        f"{format_bytes(plan.peak_bytes)} (budget {format_bytes(plan.budget_bytes)}), "
         f"planned overhead {plan.overhead:.2f}x")
     return item, plan
 
@@ -329,7 +329,7 @@ def _joint(original: GraphItem, item: GraphItem, space: "JointSpace", remat: _Re
         details["tried"].append({"option": option.label(), "over_limit_bytes": over})
         if over:
             say("joint: measured over the limits by " + ", ".join(
-                f"{b / 2**20:.2f} MiB on {d}" for d, b in over.items()))
+                f"{format_bytes(b)} on {d}" for d, b in over.items()))
             continue
         details["built"] = option.to_json()
         remat_details = ({"skipped": "the winner recomputes nothing"} if plan is None else

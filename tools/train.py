@@ -206,7 +206,7 @@ def run_steps(item, steps: int, warmup: int, session_factory=None) -> dict:
                 times_ms.append((time.perf_counter() - begin) * 1000)
                 losses.append(float(loss))
         peak, source = allocator.bytes, "allocator"
-        if peak is None:
+        if not peak:  # no statistics kept, or none for a step this small: not a measurement
             peak, source = traced_peak_bytes(session, item.graph, fetches, feeds), "records"
     return {"step_time_ms_median": statistics.median(times_ms), "step_times_ms": times_ms,
             "losses": losses, "peak_bytes": int(peak), "peak_source": source}
@@ -245,44 +245,27 @@ def _place_options() -> dict:
 
 
 def _print_report(result) -> None:
-    """One line per pass: planned against measured."""
+    """One line per pass that changed the step: planned against measured, in the numbers the
+    report files hold (``pipeline.report``)."""
+    from graphfit.pipeline.report import placement_lines, remat_line
     from graphfit.profiler.trace import print_progress
 
-    report = result.report()
-    remat = report["remat"]
-    if remat["changed"]:
-        print_progress(
-            f"remat {remat['method']}: budget {remat['budget_bytes'] / 2**20:.1f} MiB, peak "
-            f"planned {remat['planned_peak_bytes'] / 2**20:.1f} MiB, measured "
-            f"{remat['measured_peak_bytes'] / 2**20:.1f} MiB (baseline "
-            f"{remat['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
-            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x; "
-            f"step time against the step under TF's defaults planned "
-            f"{remat.get('planned_step_vs_user', float('nan')):.2f}x, measured "
-            f"{remat.get('overhead_vs_user', float('nan')):.2f}x; "
-            f"{remat['num_recomputes']} recomputations; loss/gradients match: "
-            f"{remat['loss_match'] and remat['gradients_match']}")
-    placement = result.placement
-    if placement is not None:
-        for name in placement["devices"]:
-            print_progress(
-                f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
-                f"{placement['planned_peak_bytes'][name] / 2**20:.1f} MiB, measured "
-                f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.1f} MiB, limit "
-                f"{placement['limit_bytes'][name] / 2**20:.1f} MiB")
-        print_progress(
-            f"placed on {len(placement['devices'])} devices ({placement['target']}) in "
-            f"{placement['plan']['placement_s']:.2f} s; makespan planned "
-            f"{placement['plan']['makespan_us'] / 1000:.2f} ms; loss/gradients equal to 1 "
-            f"device: {placement['equal_to_single_device']}")
+    line = remat_line(result)
+    if line:
+        print_progress(line)
+    for line in placement_lines(result):
+        print_progress(line)
 
 
 def _print_joint(result) -> None:
     """The search's verdict, the two one-pass alternatives, and per device the planned and
     measured peaks side by side."""
+    from graphfit.pipeline.report import placement_lines
+    from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress
 
-    search = result.report()["joint"]["search"]
+    report = result.report()["joint"]
+    search = report["search"]
 
     def line(name, option):
         if not option["fits"]:
@@ -292,19 +275,14 @@ def _print_joint(result) -> None:
                 + (f", remat budget {option['ratio']:.3g} of the peak" if option["ratio"] else "")
                 + (f", {option['method']}" if option["method"] else ", one device"))
 
-    print_progress(f"single device: peak {search['baseline_peak_bytes'] / 2**20:.1f} MiB; "
-                   f"devices hold {min(search['limit_bytes']) / 2**20:.1f} MiB each")
-    for name, key in (("place only", "place_only"), ("remat only", "remat_only"),
-                      ("joint", "winner")):
-        print_progress(line(name, search[key]))
-    placement = result.placement
-    for name in placement["devices"]:
-        print_progress(
-            f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
-            f"{placement['planned_peak_bytes'][name] / 2**20:.2f} MiB, measured "
-            f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.2f} MiB, limit "
-            f"{placement['limit_bytes'][name] / 2**20:.2f} MiB")
-    print_progress(f"loss/gradients equal to 1 device: {placement['equal_to_single_device']}")
+    print_progress(f"single device: peak {format_bytes(search['baseline_peak_bytes'])}; "
+                   f"devices hold {format_bytes(min(search['limit_bytes']))} each")
+    for name, option in (("place only", search["place_only"]),
+                         ("remat only", search["remat_only"]),
+                         ("joint", report.get("built", search["winner"]))):
+        print_progress(line(name, option))
+    for line_ in placement_lines(result):
+        print_progress(line_)
 
 
 def _joint_space():
@@ -322,6 +300,7 @@ def _profile(item, report: dict):
     """The step's measured costs: --costgen profiles and saves them; --cost_path alone loads
     them for the placer. ``None`` otherwise (the passes profile what they need)."""
     from graphfit.profiler.profile import Profile
+    from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress, profile_graph
 
     if FLAGS.costgen:
@@ -330,7 +309,7 @@ def _profile(item, report: dict):
                                 num_cpu_devices=FLAGS.num_devices)
         profile.save(FLAGS.cost_path)
         print_progress(f"profile: {profile.coverage:.1%} of {profile.num_graph_ops} step ops "
-                       f"measured, peak {profile.peak_bytes / 2**20:.1f} MiB -> {FLAGS.cost_path}")
+                       f"measured, peak {format_bytes(profile.peak_bytes)} -> {FLAGS.cost_path}")
         report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
                              "profiled_peak_bytes": profile.peak_bytes}
         return profile
@@ -414,14 +393,29 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
             single = run_steps(item, FLAGS.steps, FLAGS.warmup_steps)["step_time_ms_median"]
             report["place"]["single_device_step_time_ms_median"] = single
         run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session)
-        # The input as the user runs it: TF's default configuration, one device.
-        run["user_step_time_ms_median"] = run_steps(
-            item, FLAGS.steps, FLAGS.warmup_steps,
-            lambda graph: make_session(graph, config=user_config()))["step_time_ms_median"]
-        run["overhead_vs_user"] = run["step_time_ms_median"] / run["user_step_time_ms_median"]
-    if placing:  # the shared allocator cannot tell devices apart: report the worst device
-        run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
+        run["unchanged"] = result.item is item
+        if not run["unchanged"]:  # else the same graph timed twice: noise, not a result
+            # The input as the user runs it: TF's default configuration, one device.
+            run["user_step_time_ms_median"] = run_steps(
+                item, FLAGS.steps, FLAGS.warmup_steps,
+                lambda graph: make_session(graph, config=user_config()))["step_time_ms_median"]
+            run["overhead_vs_user"] = (run["step_time_ms_median"]
+                                       / run["user_step_time_ms_median"])
+    _one_measured_peak(run, result)
     return run, result
+
+
+def _one_measured_peak(run: dict, result) -> None:
+    """The run's peak is the one the passes measured and the report files show (the worst
+    device's when placed: the shared allocator cannot tell devices apart), so one run reports
+    one measured peak; the step's own allocator figure only when no pass measured one."""
+    placement, remat = result.placement, result.report().get("remat", {})
+    if placement and placement.get("measured_peak_bytes"):
+        run["peak_bytes"] = max(placement["measured_peak_bytes"].values())
+        run["peak_source"] = "placement check (worst device)"
+    elif remat.get("changed") and remat.get("measured_peak_bytes") is not None:
+        run["peak_bytes"] = int(remat["measured_peak_bytes"])
+        run["peak_source"] = "remat pass (verified run)"
 
 
 def _isolate_network() -> None:
@@ -465,6 +459,7 @@ def main(argv):
     from graphfit import models
     from graphfit.baechi.cluster import ClusterError
     from graphfit.profiler.profile import atomic_write_json
+    from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress
 
     item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
@@ -479,9 +474,11 @@ def main(argv):
     except ClusterError as error:
         raise SystemExit(f"cluster error: {error}") from error
     report["run"] = result
+    versus = ("unchanged: no pass rewrote the step" if result["unchanged"] else
+              f"{result['overhead_vs_user']:.2f}x your step under TF's defaults, "
+              f"{result['user_step_time_ms_median']:.1f} ms")
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
-          f"{FLAGS.steps}; {result['overhead_vs_user']:.2f}x the input under TF's defaults, "
-          f"{result['user_step_time_ms_median']:.1f} ms), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
+          f"{FLAGS.steps}; {versus}), peak memory {format_bytes(result['peak_bytes'])}, "
           f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; "
           f"report {FLAGS.report_path}")
     try:  # after the summary, so a full disk loses no result
