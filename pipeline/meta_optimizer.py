@@ -56,8 +56,10 @@ __all__ = ["PASSES", "SMALLEST", "OptimizeResult", "PassRecord", "optimize"]
 # Joint mode: how many of the search's fitting options, fastest first, are built and measured
 # before giving up (each costs a rewrite, a placement and two measured runs).
 JOINT_TRIES = 4
-# ``memory_ratio=SMALLEST``: fit the smallest budget the planner finds a plan for.
+# ``memory_ratio=SMALLEST``: fit the smallest budget the planner finds a plan for (searched
+# again on the orders of each fit, SMALLEST_TRIES fits at most).
 SMALLEST = "min"
+SMALLEST_TRIES = 3
 @dataclasses.dataclass
 class PassRecord:
     """What one pass did: whether it ran and changed the step, how long it took, its report."""
@@ -240,13 +242,24 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     args = (budget_bytes, budget_ratio, remat.heuristic, remat.overhead_limit, remat.verify,
             remat.num_cpu_devices)
     early = any(r.name == "early_updates" and r.changed for r in records)
-    if budget_ratio == SMALLEST:
-        budget_bytes, budget_ratio = _smallest_budget(original, item, remat, early), None
-        say(f"remat: the smallest budget with a plan is {format_bytes(budget_bytes)}")
+    smallest = budget_ratio == SMALLEST
+    if smallest:
+        budget_bytes = _smallest_budget(original, item, remat, early)
         args = (budget_bytes, None, *args[2:])
     before = item
     try:
-        item, plan, details = fit_budget(original, item, *args, order_updates=early)
+        for attempt in range(SMALLEST_TRIES if smallest else 1):
+            if smallest:
+                say(f"remat: the smallest budget with a plan is {format_bytes(args[0])}")
+            try:
+                item, plan, details = fit_budget(original, before, *args, order_updates=early)
+                break
+            except BudgetError as error:
+                # Each fit traces the step's orders anew, and a budget that planned on one
+                # set can miss on the next by a few percent: take the new set's smallest.
+                if not smallest or error.smallest_bytes is None or attempt == SMALLEST_TRIES - 1:
+                    raise
+                args = (error.smallest_bytes, None, *args[2:])
     except BudgetError as error:
         if item is original:
             raise

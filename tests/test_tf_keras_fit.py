@@ -91,8 +91,8 @@ def test_min_ratio_fits_the_smallest_budget_with_a_plan():
     step = optimize_model(_model(), x, y, memory_ratio="min", verify=False, progress=None)
     remat = step.result.report()["remat"]
     assert remat["changed"] and remat["planned_peak_bytes"] <= remat["budget_bytes"]
-    with pytest.raises(KerasFitError):            # a little below it there is no plan
-        optimize_model(_model(), x, y, memory_budget=int(remat["budget_bytes"] * 0.9),
+    with pytest.raises(KerasFitError):            # well below it there is no plan
+        optimize_model(_model(), x, y, memory_budget=int(remat["budget_bytes"] * 0.8),
                        verify=False, progress=None)
 
 
