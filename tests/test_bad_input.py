@@ -428,6 +428,6 @@ def test_sixteen_virtual_devices_run(tmp_path):
     result = _run_binary("train", "--model_name=mlp", "--preset=tiny", "--steps=2",
                          "--num_devices=16", f"--report_path={tmp_path}/r.json")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "placed on 16 devices" in result.stderr
+    assert "on 16 devices (virtual_cpu)" in result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["place"]["equal_to_single_device"]
