@@ -279,8 +279,8 @@ def test_isolated_local_cluster_is_unreachable_and_a_killed_worker_leaves_no_orp
     """train --cluster=grpc, isolated by default where namespaces exist: the workers' ports
     cannot be reached from outside the namespace; a worker killed during the placement check
     ends the run within 60 s with the worker named, and no worker process survives the run."""
-    train = _train("--cluster=grpc", "--num_devices=2", "--steps=1000000", f"--cluster_timeout_s={OPERATION_TIMEOUT_S}",
-                   f"--report_path={tmp_path}/r.json")
+    train = _train("--cluster=grpc", "--num_devices=2", "--steps=1000000",
+                   f"--cluster_timeout_s={OPERATION_TIMEOUT_S}", f"--report_path={tmp_path}/r.json")
     lines = _wait_for_placement(train)
     workers = [(pid, command) for pid, command in _children(train.pid)
                if "graphfit.tools.worker" in command]
