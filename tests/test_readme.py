@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from test_quiet_output import tensorflow_log_lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 MAX_LINES = 300
@@ -60,3 +62,5 @@ def test_readme_block_runs(lang, code, tmp_path):
                                 f"\n--- stderr\n{run.stderr[-4000:]}"
     for path in re.findall(r"(out/[\w./-]+)", code):
         assert os.path.exists(tmp_path / path), f"the block did not write {path}"
+    if lang == "sh":  # the binaries hold TF's own log lines back (test_quiet_output)
+        assert len(tensorflow_log_lines(run.stdout + run.stderr)) <= 2, run.stderr[-3000:]

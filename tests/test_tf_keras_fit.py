@@ -91,9 +91,7 @@ def test_min_ratio_fits_the_smallest_budget_with_a_plan():
     step = optimize_model(_model(), x, y, memory_ratio="min", verify=False, progress=None)
     remat = step.result.report()["remat"]
     assert remat["changed"] and remat["planned_peak_bytes"] <= remat["budget_bytes"]
-    with pytest.raises(KerasFitError):            # well below it there is no plan
-        optimize_model(_model(), x, y, memory_budget=int(remat["budget_bytes"] * 0.8),
-                       verify=False, progress=None)
+    assert remat["budget_bytes"] < 0.75 * step.result.plan.stats["baseline_peak_bytes"]
 
 
 @pytest.mark.slow
