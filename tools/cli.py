@@ -57,7 +57,8 @@ def quiet_tensorflow() -> None:
     import logging
     import tempfile
 
-    level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") or 0)
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
+    level = int(level) if level.isdigit() else 0     # TF reads anything else as 0 too
     if level <= 0 or "tensorflow" in sys.modules:
         import tensorflow  # noqa: F401  (already imported, or the user wants every line)
         return
