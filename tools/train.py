@@ -426,10 +426,12 @@ def _isolate_network() -> None:
     warnings go to their logs, which nobody reads), unless --isolated_network demanded it."""
     from graphfit.baechi.netns import NamespaceError, enter_isolated_network, unavailable_reason
 
-    spawns_workers = FLAGS.cluster_spec is None and FLAGS.cluster == "grpc"
+    spawns_workers = (FLAGS.cluster_spec is None and FLAGS.cluster == "grpc"
+                      and FLAGS.num_devices > 1)       # as _cluster starts them
     if FLAGS.isolated_network and not spawns_workers:
         raise ArgumentError("--isolated_network is for workers this binary starts itself "
-                             "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
+                             "(--cluster=grpc --num_devices > 1); workers of a --cluster_spec run "
+                             "elsewhere")
     if not spawns_workers or FLAGS.isolated_network is False:
         if spawns_workers:
             _exposure_warning("--noisolated_network was given")
