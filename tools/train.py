@@ -23,6 +23,7 @@ bounded by ``--cluster_timeout_s``; a missing, killed or stopped worker ends the
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -418,6 +419,23 @@ def _one_measured_peak(run: dict, result) -> None:
         run["peak_source"] = "remat pass (verified run)"
 
 
+def _with_budget_hint(error) -> str:
+    """A budget without a plan, with the smallest budget that has one (searched by the remat
+    pass on this run's step) as the flags to pass; 5% room for the next run's traced orders,
+    as ``pipeline.keras_fit`` suggests it."""
+    from graphfit.pipeline.keras_fit import HINT_ROOM
+    from graphfit.profiler.sizes import format_bytes
+
+    if error.smallest_bytes is None or not error.baseline_bytes:
+        return str(error)
+    room = int(error.smallest_bytes * (1 + HINT_ROOM))
+    return (f"{str(error).rstrip('.')}. The smallest budget with a plan is {format_bytes(error.smallest_bytes)}, "
+            f"{error.smallest_bytes / error.baseline_bytes:.3f} of the peak measured in this "
+            f"run ({format_bytes(error.baseline_bytes)}): pass --memory_budget={room} "
+            f"({HINT_ROOM:.0%} above it, for the next run's traced orders) or "
+            f"--memory_ratio={math.ceil(room / error.baseline_bytes * 100) / 100:.2f}.")
+
+
 def _isolate_network() -> None:
     """Keep the gRPC workers this binary starts off the network: TF's server listens on every
     interface without authentication, so with --cluster=grpc the binary re-executes itself in
@@ -461,6 +479,7 @@ def main(argv):
     from graphfit import models
     from graphfit.baechi.cluster import ClusterError
     from graphfit.profiler.profile import atomic_write_json
+    from graphfit.remat.pipeline import BudgetError
     from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress
 
@@ -475,6 +494,8 @@ def main(argv):
         result, optimized = _optimize_and_run(item, profile, report)
     except ClusterError as error:
         raise SystemExit(f"cluster error: {error}") from error
+    except BudgetError as error:
+        raise GraphfitError(_with_budget_hint(error)) from None
     report["run"] = result
     versus = ("unchanged: no pass rewrote the step" if result["unchanged"] else
               f"{result['overhead_vs_user']:.2f}x your step under TF's defaults, "
