@@ -31,13 +31,10 @@ import numpy as np
 from graphfit.errors import GraphfitError
 from graphfit.pipeline.meta_optimizer import SMALLEST, OptimizeResult, optimize
 from graphfit.profiler.sizes import format_bytes
-from graphfit.remat.pipeline import CAUSES, BudgetError
+from graphfit.remat.pipeline import CAUSES, HINT_ROOM, BudgetError
 
 __all__ = ["KerasFitError", "OptimizedStep", "optimize_model"]
 
-# Room the suggested budget leaves above the smallest one with a plan: a new call traces the
-# step's orders again, and on a Keras mlp the smallest moved by 2.2% between calls.
-HINT_ROOM = 0.05
 
 
 class KerasFitError(GraphfitError, ValueError):

@@ -421,10 +421,10 @@ def _one_measured_peak(run: dict, result) -> None:
 
 def _with_budget_hint(error) -> str:
     """A budget without a plan, with the smallest budget that has one (searched by the remat
-    pass on this run's step) as the flags to pass; 5% room for the next run's traced orders,
-    as ``pipeline.keras_fit`` suggests it."""
-    from graphfit.pipeline.keras_fit import HINT_ROOM
+    pass on this run's step) as the flags to pass, with ``HINT_ROOM`` for the next run's
+    traced orders, as ``pipeline.keras_fit`` suggests it."""
     from graphfit.profiler.sizes import format_bytes
+    from graphfit.remat.pipeline import HINT_ROOM
 
     if error.smallest_bytes is None or not error.baseline_bytes:
         return str(error)
