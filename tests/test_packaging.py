@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-_NOT_SOURCES = shutil.ignore_patterns(".*", "bazel-*", "build", "*.egg-info", "bench", "__pycache__")
+_NOT_SOURCES = shutil.ignore_patterns(".*", "bazel-*", "build", "*.egg-info", "results", "out",
+                                     "__pycache__")  # results: bench/results, recorded data
 
 
 @pytest.fixture(scope="module")
