@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # out/train_report/summary.md. Override with e.g. `make train ARGS="--model_name=resnet"`.
 ARGS ?= --model_name=mlp --batch_size=2048 --model_arg=depth=16 --model_arg=width=256 \
 	--model_arg=input_dim=256 --num_devices=4 --device_memory=10.5MiB --joint \
-	--remat_heuristic=offline --steps=5 --report_dir=out/train_report
+	--steps=5 --report_dir=out/train_report
 train: $(STAMP)
 	$(PY) -m graphfit.tools.train $(ARGS)
 
@@ -35,7 +35,7 @@ bench: $(STAMP)
 sweep: $(STAMP)
 	$(PY) -m graphfit.tools.sweep --config tools/sweep_configs/ablation.json
 
-# Debian's offline Bazel and the rule sets WORKSPACE points at (DESIGN.md §7).
+# Debian's offline Bazel and the rule sets WORKSPACE points at (docs/DESIGN.md §7).
 bazel-deps:
 	@(command -v bazel && test -d /usr/share/bazel/rules/java && test -d /usr/share/bazel/tools/platforms) >/dev/null \
 	  || (apt-get update -qq && apt-get install -y -qq bazel-bootstrap bazel-rules-java bazel-platforms)

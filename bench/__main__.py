@@ -1,7 +1,7 @@
 """``make bench``: run every benchmark, one after another, and index their results.
 
-Each benchmark module writes its own JSON (and plots) under ``bench/results/``; this driver
-runs them in a fixed order, times them, and records in ``bench/results/index.json`` when and on
+Each benchmark module writes its own JSON (and plots) under ``out/bench/``; this driver
+runs them in a fixed order, times them, and records in ``out/bench/index.json`` when and on
 what machine each ran, so README numbers can be traced to a run.
 
     python -m graphfit.bench                 # all
@@ -17,9 +17,10 @@ import platform
 import sys
 import time
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.profile import atomic_write_json
 
-INDEX_PATH = "bench/results/index.json"
+INDEX_PATH = f"{RESULTS_DIR}/index.json"
 BENCHMARKS = {
     "ir": "graphfit.bench.ir",
     "remat_traces": "graphfit.bench.remat_traces",

@@ -29,7 +29,7 @@ dominate the peak, so a plan at 0.5 exists):
   ``SWAPPING_HEURISTICS``, ``HEURISTICS``) on the user's graph: peak over the user's, step
   time against the user's graph in a session.
 
-Writes ``bench/results/grappler.json`` (``--quick``: ``grappler_quick.json``) and the plot
+Writes ``out/bench/grappler.json`` (``--quick``: ``grappler_quick.json``) and the plot
 beside it; the JSON records the load average before and after.
 
     python -m graphfit.bench.grappler [--quick]
@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.core.protobuf import rewriter_config_pb2  # noqa: E402
 
+from graphfit.bench import RESULTS_DIR
 from graphfit import models  # noqa: E402
 from graphfit.pipeline.meta_optimizer import optimize  # noqa: E402
 from graphfit.models.graph_item import GraphItem  # noqa: E402
@@ -65,7 +66,7 @@ __all__ = ["main", "keras_step", "keras_user_step"]
 RATIO = 0.5
 # Steps timed side by side (``paired_step_times`` with the bench's rounds): name -> seconds.
 Timed = Callable[[dict[str, Callable[[], object]]], dict[str, list[float]]]
-RESULT_DIR = "bench/results"
+RESULT_DIR = RESULTS_DIR
 MEMORY_OPTIMIZERS = ("RECOMPUTATION_HEURISTICS", "SWAPPING_HEURISTICS", "HEURISTICS")
 # RewriterConfig toggles that session_config leaves at TF's default (on), and the two it
 # turns off.

@@ -7,7 +7,7 @@ For generated graphs of 1k, 10k and 50k ops it times two paths and records their
   generators and the DTR log reader use).
 
 Target (issue #2): the 50k-op graph builds in under 3 s and under 1 GiB.
-Writes ``bench/results/ir_build.json`` and prints a table.
+Writes ``out/bench/ir_build.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import tracemalloc
 
 import tensorflow as tf
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.profile import atomic_write_json
 from graphfit.profiler.synthetic import random_dag
@@ -27,7 +28,7 @@ __all__ = ["main", "tf_graph_of"]
 
 SIZES = (1_000, 10_000, 50_000)
 REPEATS = 3
-RESULT_PATH = "bench/results/ir_build.json"
+RESULT_PATH = f"{RESULTS_DIR}/ir_build.json"
 
 
 def tf_graph_of(cost_graph: CostGraph, width: int = 256) -> tuple[tf.Graph, list[str]]:

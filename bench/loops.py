@@ -17,7 +17,7 @@ which unrolls both loops (``profiler.unroll_loops``):
 
     python -m graphfit.bench.loops
 
-Writes ``bench/results/loops.json`` and ``loops.png`` (planned overhead vs budget ratio) and
+Writes ``out/bench/loops.json`` and ``loops.png`` (planned overhead vs budget ratio) and
 prints a table.
 """
 
@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.profile import atomic_write_json
 
 __all__ = ["MODELS", "main"]
@@ -37,8 +38,8 @@ FEATURES, CLASSES = 32, 10
 RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 PLANNERS = ("dtr", "msps", "offline")
 OVERHEAD_LIMIT = 2.0
-RESULT_PATH = "bench/results/loops.json"
-PLOT_PATH = "bench/results/loops.png"
+RESULT_PATH = f"{RESULTS_DIR}/loops.json"
+PLOT_PATH = f"{RESULTS_DIR}/loops.png"
 
 
 def _traced(layer: str, sequence: int, units: int, batch: int):

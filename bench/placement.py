@@ -1,7 +1,7 @@
 """Benchmark: how fast and how good are the placers, under both link models and tight memory,
 and does the planned step time match a real run?
 
-Sections (``bench/results/placement.json``, plot ``bench/results/placement.png``):
+Sections (``out/bench/placement.json``, plot ``out/bench/placement.png``):
 
 - ``quality``: generated graphs (layered, random, training-like and fork-join families, 500
   to 20,000 ops) on 4 devices with Baechi's GPU link fit (0.0001754 µs/B + 134 µs) and
@@ -49,6 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.baechi.devices import LINK_MODELS, DeviceSet, default_device_names  # noqa: E402
 from graphfit.baechi.place import (METHODS, PlacementError, makespan_lower_bound_us,  # noqa: E402
                                    place)
@@ -60,8 +61,8 @@ from graphfit.profiler.synthetic import (fork_join, layered, random_dag,  # noqa
 
 __all__ = ["main"]
 
-RESULT_PATH = "bench/results/placement.json"
-PLOT_PATH = "bench/results/placement.png"
+RESULT_PATH = f"{RESULTS_DIR}/placement.json"
+PLOT_PATH = f"{RESULTS_DIR}/placement.png"
 NUM_DEVICES = 4
 COMM_COEFFS = "0.0001754,134"
 TIGHT_RATIO = 1.1

@@ -29,7 +29,7 @@ in minutes:
 
     python -m graphfit.bench.reach [--quick] [--models a,b] [--output_stem reach_x]
 
-Writes ``bench/results/reach.json`` (``--quick``: ``reach_quick.json``) and ``reach.png``
+Writes ``out/bench/reach.json`` (``--quick``: ``reach_quick.json``) and ``reach.png``
 and prints a table.
 """
 
@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.profile import atomic_write_json
 from graphfit.profiler.session import onednn_enabled
 
@@ -52,7 +53,7 @@ __all__ = ["MODELS", "QUICK_MODELS", "RATIOS", "keras_step_item", "main", "reach
 RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 QUICK_RATIOS = (0.7, 0.5, 0.3)
 PLANNERS = ("dtr", "offline")
-RESULT_DIR = "bench/results"
+RESULT_DIR = RESULTS_DIR
 
 
 def _zoo(name: str, preset: str, **knobs) -> Callable:
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"only {', '.join(QUICK_MODELS)}, ratios {QUICK_RATIOS}")
     parser.add_argument("--models", default="", help="comma-separated names of MODELS")
     parser.add_argument("--output_stem", default="",
-                        help="file name stem under bench/results (default reach, reach_quick)")
+                        help="file name stem under out/bench (default reach, reach_quick)")
     args = parser.parse_args(argv if argv is not None else [])
     names = ([n for n in args.models.split(",") if n] or
              list(QUICK_MODELS if args.quick else MODELS))

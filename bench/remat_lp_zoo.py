@@ -2,7 +2,7 @@
 model's presets beside ``dtr`` and ``offline`` (``bench_remat_milp.zoo``): whether the LP was
 full or grouped, its size, HiGHS and planning time, LP value, rounded and filled plan.
 
-Writes ``bench/results/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``; about 20 min on 2 shared
+Writes ``out/bench/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``; about 20 min on 2 shared
 cores (profiling every preset included).
 
     python -m graphfit.bench.remat_lp_zoo

@@ -25,11 +25,11 @@ Graphs:
   (activation bytes and compute ×32, weights unchanged), so that activations, not weights,
   dominate the peak as in real training.
 
-Writes ``bench/results/remat_milp.json``, ``remat_milp.png`` and ``remat_milp.txt``.
+Writes ``out/bench/remat_milp.json``, ``remat_milp.png`` and ``remat_milp.txt``.
 
 ``--zoo`` instead plans every zoo model's presets (``default`` and ``activations``) with
 ``checkmate_lp`` alone at ``ZOO_RATIOS``: graph size, LP size, solve time, overhead beside
-``dtr`` and ``offline``; writes ``bench/results/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``.
+``dtr`` and ``offline``; writes ``out/bench/remat_lp_zoo.json`` and ``remat_lp_zoo.txt``.
 
     python -m graphfit.bench.remat_milp [time_limit_s]
     python -m graphfit.bench.remat_milp --zoo
@@ -41,6 +41,7 @@ import os
 import sys
 import time
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.cost_graph import CostGraph
 from graphfit.profiler.profile import atomic_write_json
 from graphfit.profiler.synthetic import training_like
@@ -50,7 +51,7 @@ from graphfit.remat.validate import InfeasibleBudgetError, minimum_budget_bytes,
 
 __all__ = ["main", "activation_heavy", "planners_at", "zoo"]
 
-RESULTS = "bench/results"
+RESULTS = RESULTS_DIR
 RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 PLANNERS = ("milp", "checkmate_lp", "chen_sqrt_n", "chen_greedy", "dtr", "offline")
 PRESET_GRAPHS = (("mlp", "activations"), ("resnet", "activations"),
@@ -234,7 +235,7 @@ def _plot(results: dict, path: str) -> None:
 
 
 def main(time_limit_s: float = 20.0) -> dict:
-    """Run the benchmark; write JSON, PNG and a text table under ``bench/results``."""
+    """Run the benchmark; write JSON, PNG and a text table under ``out/bench``."""
     begin = time.perf_counter()
     graphs: dict[str, tuple[CostGraph, list[int], dict]] = {}
     graphs["mlp"] = _model_graph("mlp", preset="tiny", batch_size=2048, depth=24, width=128)

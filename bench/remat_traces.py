@@ -22,7 +22,7 @@ Targets (issue #4): ``dtr`` reaches ratio 0.5 on all eight with overhead <= 1.2x
 is at least as good as ``dtr`` everywhere and better somewhere; planning a budget of the largest
 trace (~8k ops) takes < 10 s.
 
-Writes ``bench/results/remat_traces.json``, ``bench/results/remat_traces.png`` (overhead vs
+Writes ``out/bench/remat_traces.json``, ``out/bench/remat_traces.png`` (overhead vs
 budget ratio per model, one line per planner) and prints a table. Runs on two processes.
 """
 
@@ -33,6 +33,7 @@ import multiprocessing
 import statistics
 import time
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.profile import atomic_write_json
 from graphfit.remat.dtr_logs import (default_logs_path, load_traces, release_peak_bytes,
                                      trace_names)
@@ -45,8 +46,8 @@ RATIOS = tuple(round(1.0 - 0.1 * k, 1) for k in range(10))
 OVERHEAD_LIMIT = 2.0
 TIMING_RATIOS = (0.5, 0.3, 0.2)
 TIMING_REPEATS = 3
-RESULT_PATH = "bench/results/remat_traces.json"
-PLOT_PATH = "bench/results/remat_traces.png"
+RESULT_PATH = f"{RESULTS_DIR}/remat_traces.json"
+PLOT_PATH = f"{RESULTS_DIR}/remat_traces.png"
 
 
 @functools.lru_cache(maxsize=None)

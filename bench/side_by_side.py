@@ -11,7 +11,7 @@ many small ops leave a core idle in a chain.
 
     python -m graphfit.bench.side_by_side
 
-Writes ``bench/results/side_by_side.json`` and ``side_by_side.png`` and prints a table.
+Writes ``out/bench/side_by_side.json`` and ``side_by_side.png`` and prints a table.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 
 import numpy as np
 
+from graphfit.bench import RESULTS_DIR
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import atomic_write_json
 from graphfit.profiler.session import onednn_enabled, step_config, user_config
@@ -36,7 +37,7 @@ from graphfit.bench.reach import MODELS
 
 __all__ = ["main", "floating_vs_strict"]
 
-RESULT = "bench/results/side_by_side"
+RESULT = f"{RESULTS_DIR}/side_by_side"
 ORDERS = {"strict": False, "floating": True}
 
 

@@ -45,6 +45,7 @@ from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place import Placement, place, place_feeds_first
 from graphfit.baechi.schedule import PlacementError
 from graphfit.profiler.progress import progress_bar
+from graphfit.profiler.sizes import format_bytes
 from graphfit.remat.pipeline import BudgetError, cheapest_plan, planning_orders
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.recompute_graph import RecomputeGraph, clone_name, recompute_graph
@@ -128,7 +129,7 @@ class JointSearch:
         tie): the order in which ``pipeline.optimize`` builds and measures them."""
         fitting = [o for o in [*self.options, self.place_only] if o.fits]
         unique = {(o.ratio, o.method): o for o in reversed(fitting)}     # refinements repeat
-        return sorted(unique.values(), key=lambda o: (o.makespan_us, o.num_recomputes))
+        return sorted(unique.values(), key=_rank)
 
     def explanation(self) -> str:
         """Why the winner won, in one paragraph."""
@@ -144,8 +145,8 @@ class JointSearch:
         runner_up = next((o for o in fitting if o is not w), None)
         larger = [o for o in self.options if not o.fits and (o.ratio or 1.0) > (w.ratio or 1.0)]
         text = [f"{w.label()} fits every device (simulated peaks "
-                f"{', '.join(f'{b / 2**20:.1f}' for b in w.peak_bytes)} MiB of "
-                f"{', '.join(f'{b / 2**20:.1f}' for b in self.devices.memory_bytes)} MiB) with "
+                f"{', '.join(f'{b / 2**20:.2f}' for b in w.peak_bytes)} MiB of "
+                f"{', '.join(f'{b / 2**20:.2f}' for b in self.devices.memory_bytes)} MiB) with "
                 f"the shortest simulated step, {w.makespan_us / 1000:.2f} ms "
                 f"({w.num_recomputes} recomputations, compute x{w.overhead:.2f})."]
         if runner_up is not None:
@@ -175,6 +176,8 @@ def _plan(models, budget_bytes: int | None, heuristic: str, overhead_limit: floa
           loss: str | None, option: Option) -> bool:
     """Fill ``option``'s model, plan (the cheapest of ``models``' orders; its peak in TF's
     accounting) and remat numbers; ``False`` (with a reason) when none fits."""
+    from graphfit.remat.tf_memory import expand_plan
+
     try:
         option.model, plan = cheapest_plan(models, budget_bytes, heuristic, overhead_limit,
                                            loss)
@@ -182,7 +185,10 @@ def _plan(models, budget_bytes: int | None, heuristic: str, overhead_limit: floa
         option.reason = _short(error)
         return False
     option.plan, option.remat_peak_bytes = plan, int(plan.peak_bytes)
-    option.overhead, option.num_recomputes = plan.overhead, plan.num_recomputes
+    option.overhead = plan.overhead
+    # Counted in TF ops, as the built step's plan (remat_plan.md) counts them: a recomputed
+    # chain of the planning graph is several ops.
+    option.num_recomputes = expand_plan(option.model, plan).num_recomputes
     return True
 
 
@@ -216,14 +222,19 @@ def _joint_options(models, devices, baseline_peak_bytes, ratio, methods, heurist
     return options
 
 
+def _rank(option: Option) -> tuple:
+    """Fastest simulated step first; on a tie fewer recomputations, then the larger budget, so
+    the winner the search names is the option ``pipeline.optimize`` builds first."""
+    return option.makespan_us, option.num_recomputes, -(option.ratio or 1.0)
+
+
 def _best(options: Sequence[Option]) -> Option | None:
-    fitting = [o for o in options if o.fits]
-    return min(fitting, key=lambda o: (o.makespan_us, o.num_recomputes), default=None)
+    return min((o for o in options if o.fits), key=_rank, default=None)
 
 
 def search(models, devices: DeviceSet, baseline_peak_bytes: int, loss: str | None = None,
            ratios: Sequence[float] = DEFAULT_RATIOS, methods: Sequence[str] = DEFAULT_METHODS,
-           heuristic: str = "dtr", overhead_limit: float = 2.0,
+           heuristic: str = "offline", overhead_limit: float = 2.0,
            place_options: dict[str, Any] | None = None, refine_steps: int = REFINE_STEPS,
            progress: bool = True) -> JointSearch:
     """Search remat budgets and placers together for the fastest step that fits every device.
@@ -314,7 +325,7 @@ def joint_search(item, devices: DeviceSet, space: JointSpace, heuristic: str,
     say("joint: measuring the step on one device")
     baseline = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices)
     model = tf_memory_model(item, baseline.profile)
-    say(f"joint: single-device peak {baseline.peak_bytes / 2**20:.1f} MiB; searching "
+    say(f"joint: single-device peak {format_bytes(baseline.peak_bytes)}; searching "
         f"{len(space.ratios)} remat budgets x {len(space.methods)} placers over "
         f"{len(devices)} devices")
     found = search(planning_orders(item, [model]), devices, baseline.peak_bytes, item.loss,

@@ -10,22 +10,31 @@ a whole data set with ``fit``. The hand-written ``@tf.function`` step path
 (``graph_item_from_function`` + ``to_callable``) stays for steps that do more.
 
 Errors name this function's keywords and the numbers the caller gave, never the command line's
-flags.
+flags; a budget that cannot be met names the smallest that can (searched on the same traced
+step, so the hint holds), and why.
+
+Inputs are what ``model.fit`` takes: ``x`` an array, a tuple or a dict of arrays (keras-hub
+backbones take a dict), ``y`` likewise, and an optional ``sample_weight``; the batch size is
+the leading dimension of every array.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from graphfit.errors import ArgumentError, GraphfitError, check_number
-from graphfit.pipeline.meta_optimizer import OptimizeResult, optimize
-from graphfit.remat.pipeline import BudgetError
+from graphfit.pipeline.meta_optimizer import SMALLEST, OptimizeResult, optimize
+from graphfit.profiler.sizes import format_bytes
+from graphfit.remat.pipeline import CAUSES, HINT_ROOM, BudgetError
 
 __all__ = ["KerasFitError", "OptimizedStep", "optimize_model"]
+
 
 
 class KerasFitError(GraphfitError, ValueError):
@@ -44,44 +53,87 @@ class OptimizedStep:
     result: OptimizeResult
     batch_size: int
     _step: Callable[..., Any] = dataclasses.field(repr=False)
+    weighted: bool = False
 
-    def __call__(self, x: Any, y: Any) -> float:
+    def __call__(self, x: Any, y: Any, sample_weight: Any = None) -> float:
         """Train the model on one batch of ``batch_size`` examples; returns the loss."""
-        if len(x) != self.batch_size or len(y) != self.batch_size:
+        if (sample_weight is not None) != self.weighted:
+            raise KerasFitError("the step was optimized " + ("with" if self.weighted else
+                                "without") + " sample_weight: call it the same way")
+        sizes = _batch_sizes(x, y, sample_weight)
+        if set(sizes.values()) != {self.batch_size}:
             raise KerasFitError(f"the step was optimized for batches of {self.batch_size} "
-                                f"examples; got x of {len(x)} and y of {len(y)}")
-        return float(self._step(x, y))
+                                f"examples; got {_describe(sizes)}")
+        args = (x, y, sample_weight) if self.weighted else (x, y)
+        return float(self._step(*args))
 
-    def fit(self, x: Any, y: Any, epochs: int = 1) -> dict[str, list[float]]:
-        """Train on ``x``, ``y`` in batches of ``batch_size`` (a last, smaller batch is left
-        out: the step's shapes are fixed), ``epochs`` times; returns ``{"loss": [...]}``, the
-        mean loss per epoch, like ``keras.Model.fit``'s history."""
-        batches = len(x) // self.batch_size
-        if batches == 0 or len(x) != len(y):
-            raise KerasFitError(f"fit needs x and y of equal length and at least one batch of "
-                                f"{self.batch_size}; got {len(x)} and {len(y)} examples")
+    def fit(self, x: Any, y: Any, epochs: int = 1,
+            sample_weight: Any = None) -> dict[str, list[float]]:
+        """Train on ``x``, ``y`` (and ``sample_weight``) in batches of ``batch_size`` (a last,
+        smaller batch is left out: the step's shapes are fixed), ``epochs`` times; returns
+        ``{"loss": [...]}``, the mean loss per epoch, like ``keras.Model.fit``'s history."""
+        sizes = _batch_sizes(x, y, sample_weight)
+        batches = min(sizes.values()) // self.batch_size
+        if batches == 0 or len(set(sizes.values())) != 1:
+            raise KerasFitError(f"fit needs inputs of one length and at least one batch of "
+                                f"{self.batch_size} examples; got {_describe(sizes)}")
         history = []
         for _ in range(epochs):
-            losses = [self(x[k * self.batch_size:(k + 1) * self.batch_size],
-                           y[k * self.batch_size:(k + 1) * self.batch_size])
+            losses = [self(*_slice((x, y, sample_weight), k * self.batch_size,
+                                   (k + 1) * self.batch_size))
                       for k in range(batches)]
             history.append(float(np.mean(losses)))
         return {"loss": history}
 
 
-def _train_step(model):
+def _leaves(value: Any) -> list[Any]:
     import tensorflow as tf
 
-    @tf.function
-    def train_step(x, y):
+    return [] if value is None else tf.nest.flatten(value)
+
+
+def _batch_sizes(x: Any, y: Any, sample_weight: Any = None) -> dict[str, int]:
+    """The leading dimension of every array of the batch, by argument (an array, a tuple or a
+    dict of arrays each)."""
+    sizes = {}
+    for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        for k, leaf in enumerate(_leaves(value)):
+            shape = np.shape(leaf)
+            if not shape:
+                raise KerasFitError(f"{name} holds a scalar; every input must be an array "
+                                    "whose first dimension is the batch")
+            sizes[name if len(_leaves(value)) == 1 else f"{name}[{k}]"] = int(shape[0])
+    return sizes
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{name} of {size}" for name, size in sizes.items())
+
+
+def _slice(values: Any, begin: int, end: int) -> Any:
+    import tensorflow as tf
+
+    return tf.nest.map_structure(lambda leaf: None if leaf is None else leaf[begin:end], values)
+
+
+def _train_step(model, weighted: bool):
+    """The step a Keras user writes by hand: forward pass under a tape, the compiled loss
+    (``compute_loss``: the loss, its ``sample_weight`` and the model's regularization losses),
+    the compiled optimizer."""
+    import tensorflow as tf
+
+    def step(x, y, sample_weight=None):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
         gradients = tape.gradient(loss, model.trainable_variables)
         model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
 
-    return train_step
+    if weighted:
+        return tf.function(lambda x, y, sample_weight: step(x, y, sample_weight))
+    return tf.function(lambda x, y: step(x, y))
 
 
 def _check_model(model, x, y, memory_budget, memory_ratio) -> None:
@@ -95,56 +147,78 @@ def _check_model(model, x, y, memory_budget, memory_ratio) -> None:
     if memory_budget is not None and memory_ratio is not None:
         raise KerasFitError(f"give one of memory_budget and memory_ratio, not both (got "
                             f"memory_budget={memory_budget!r}, memory_ratio={memory_ratio!r})")
-    if memory_ratio is not None:
+    if memory_ratio is not None and memory_ratio != SMALLEST:
         try:
             check_number(memory_ratio, "memory_ratio", above=0, maximum=1)
         except ArgumentError:
             raise KerasFitError(f"memory_ratio={memory_ratio!r} must lie in (0, 1]: the "
                                 "fraction of the step's measured peak memory it may use, a "
-                                "number such as 0.6") from None
-    if len(x) != len(y) or len(x) == 0:
+                                "number such as 0.6, or 'min' for the smallest with a "
+                                "plan") from None
+    sizes = _batch_sizes(x, y)
+    if len(set(sizes.values())) != 1 or 0 in sizes.values():
         raise KerasFitError(f"x and y must be one non-empty batch of equal length; got "
-                            f"{len(x)} and {len(y)} examples")
+                            f"{_describe(sizes)}")
 
 
 def _budget_message(error: BudgetError, memory_budget, memory_ratio,
                     overhead_limit: float) -> str:
-    """A budget error in this function's words: the keyword and value the caller gave, and
-    what to pass instead."""
+    """A budget error in this function's words: the keyword and value the caller gave, why it
+    has no plan, and the smallest budget that has one (``remat.pipeline.with_smallest_budget``
+    searched it on the same traced step), as a ratio and in bytes. It never suggests a keyword
+    value the caller already passed."""
     asked = (f"memory_ratio={memory_ratio}" if memory_ratio is not None
-             else f"memory_budget={memory_budget}")
-    if error.minimum_bytes > error.budget_bytes:
-        ratio = None if memory_ratio is None else memory_ratio * error.minimum_bytes / \
-            error.budget_bytes
-        # Above 1 (the planner's sizes exceed the measured peak, e.g. data-dependent shapes)
-        # no memory_ratio can work: give the budget in bytes.
-        smallest = (f"memory_ratio >= {ratio:.2f}" if ratio is not None and ratio <= 1 else
-                    f"memory_budget >= {error.minimum_bytes}")
-        return (f"{asked} ({error.budget_bytes / 2**20:.1f} MiB) is below what "
-                f"rematerialization can reach for this model and batch "
-                f"({error.minimum_bytes / 2**20:.1f} MiB): pass {smallest} or a smaller batch")
-    return (f"{asked} ({error.budget_bytes / 2**20:.1f} MiB) needs more recomputation than "
-            f"remat_overhead_limit={overhead_limit} allows (or more memory than the planner "
-            f"could free): pass a larger {asked.split('=')[0]}, a higher remat_overhead_limit, "
-            f"or remat_heuristic='offline'")
+             else f"memory_budget={memory_budget!r}")
+    if not error.cause:          # measured over the budget round after round
+        return f"{asked} cannot be held on a real run: {error}"
+    text = f"{asked} ({format_bytes(error.budget_bytes)}) has no plan: {CAUSES[error.cause]}"
+    if error.cause == "floor":
+        text += f", at least {format_bytes(error.minimum_bytes)}"
+    if error.smallest_bytes is None:
+        more = (f"; or a remat_overhead_limit above {overhead_limit}"
+                if error.cause in ("overhead", "evictable") else "")
+        return (f"{text}. No budget below the measured peak "
+                f"({format_bytes(error.baseline_bytes or 0)}) has a plan: recomputation "
+                f"cannot shrink this step; use a smaller batch{more}")
+    exact = error.smallest_bytes / error.baseline_bytes
+    room = int(error.smallest_bytes * (1 + HINT_ROOM))
+    ratio = math.ceil(room / error.baseline_bytes * 100) / 100
+    return (f"{text}. The smallest budget with a plan is {format_bytes(error.smallest_bytes)}, "
+            f"{exact:.3f} of the peak measured in this call ({format_bytes(error.baseline_bytes)})"
+            f". Pass memory_budget={room} ({HINT_ROOM:.0%} above it: the next call traces "
+            f"the step again, and its plans can need a little more), memory_ratio='min' (the "
+            f"smallest budget with a plan, searched again), or memory_ratio={ratio:.2f} or "
+            f"more (a ratio of a peak that is measured again on each call and moves between "
+            f"calls by up to a tenth)")
 
 
-def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
-                   memory_ratio: float | None = None, remat_heuristic: str = "dtr",
+# ``progress=TERMINAL``: progress lines on stderr when it is a terminal, nothing in a log.
+TERMINAL = "terminal"
+
+
+def optimize_model(model, x, y, *, sample_weight: Any = None,
+                   memory_budget: int | str | None = None,
+                   memory_ratio: float | str | None = None, remat_heuristic: str = "offline",
                    remat_overhead_limit: float = 2.0, verify: bool = True,
-                   progress: Callable[[str], None] | None = None) -> OptimizedStep:
+                   progress: Callable[[str], None] | str | None = TERMINAL) -> OptimizedStep:
     """The training step of a compiled Keras 3 ``model``, optimized to a memory budget.
 
     Parameters:
         model: a ``keras.Model`` after ``model.compile(optimizer=..., loss=...)``.
-        x, y: one batch (numpy arrays or tensors); the step is traced for its shapes.
-        memory_budget: bytes (or a size such as ``"300MiB"``) the step may use at its peak;
-            or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
-        remat_heuristic: the planner (``remat.pipeline.PLANNERS``).
+        x, y: one batch as ``model.fit`` takes it: arrays or tensors, or tuples or dicts of
+            them (a keras-hub backbone's dict of inputs); the step is traced for its shapes.
+        sample_weight: per-example weights of that batch (``None``: unweighted); the step
+            then takes them on every call.
+        memory_budget: bytes (or a size such as ``"8GiB"``) the step may use at its peak;
+            or ``memory_ratio``, a fraction of its measured peak, or ``"min"``: the smallest
+            budget with a plan within ``remat_overhead_limit``. Neither: no remat.
+        remat_heuristic: the planner (``remat.pipeline.PLANNERS``; ``offline`` plans best).
         remat_overhead_limit: compute multiple beyond which the planner gives up.
         verify: check the optimized step against the original on a real run (loss,
             gradients, planned vs measured peak) before returning it.
-        progress: called with a line per pass (``None``: quiet).
+        progress: called with a line per pass, ending with planned against measured (peak,
+            compute, and step time against your own step); the default prints them on a
+            terminal only; ``None``: quiet.
 
     Returns:
         An ``OptimizedStep``: ``step(x, y)`` trains ``model`` on one batch and returns the
@@ -153,7 +227,7 @@ def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
 
     Raises:
         KerasFitError: the model is not compiled, a keyword is out of range, or no plan fits
-            the budget (the message gives the smallest ``memory_ratio`` that can work).
+            the budget (the message names why and the smallest budget that has a plan).
 
     Examples:
         >>> model.compile(optimizer="sgd", loss="mse")          # doctest: +SKIP
@@ -162,34 +236,47 @@ def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
     """
     import tensorflow as tf
 
+    from graphfit.pipeline.report import remat_line
     from graphfit.profiler.sizes import parse_bytes
     from graphfit.profiler.tf_function import graph_item_from_function, to_callable
+    from graphfit.profiler.trace import print_progress
 
     _check_model(model, x, y, memory_budget, memory_ratio)
+    asked_budget = memory_budget
     if isinstance(memory_budget, str):
         try:
             memory_budget = parse_bytes(memory_budget)
         except ValueError as error:
             raise KerasFitError(f"memory_budget={memory_budget!r}: {error}") from error
+    weighted = sample_weight is not None
+    if weighted and len(set(_batch_sizes(x, y, sample_weight).values())) != 1:
+        raise KerasFitError(f"sample_weight must have one weight per example of the batch; "
+                            f"got {_describe(_batch_sizes(x, y, sample_weight))}")
+    if progress == TERMINAL:
+        progress = print_progress if sys.stderr.isatty() else None
     if not model.built:
-        model(tf.convert_to_tensor(x[:1]))
+        model(tf.nest.map_structure(lambda leaf: tf.convert_to_tensor(leaf[:1]), x))
     if not model.trainable_variables:
         raise KerasFitError(f"model {model.name!r} has no trainable variables (its layers are "
                             "frozen or have no weights): there is no training step to optimize; "
                             "set trainable=True on the layers to train")
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-    train_step = _train_step(model)
-    item = graph_item_from_function(train_step, x, y, name=model.name)
+    train_step = _train_step(model, weighted)
+    batch = (x, y, sample_weight) if weighted else (x, y)
+    item = graph_item_from_function(train_step, *batch, name=model.name)
     try:
         result = optimize(item, memory_budget=memory_budget, memory_ratio=memory_ratio,
                           remat_heuristic=remat_heuristic,
                           remat_overhead_limit=remat_overhead_limit, verify=verify,
                           progress=progress)
     except BudgetError as error:
-        raise KerasFitError(_budget_message(error, memory_budget, memory_ratio,
+        raise KerasFitError(_budget_message(error, asked_budget, memory_ratio,
                                             remat_overhead_limit)) from error
+    if progress is not None and remat_line(result):
+        progress(remat_line(result))
     # Nothing rewritten (no budget): the user's own tf.function is the optimized step, as
     # fast as the user's by construction.
-    return OptimizedStep(result, len(x), train_step if result.item is item
-                         else to_callable(result.item, item))
+    return OptimizedStep(result, next(iter(_batch_sizes(x, y).values())),
+                         train_step if result.item is item else to_callable(result.item, item),
+                         weighted)

@@ -45,17 +45,21 @@ from graphfit.pipeline.passes import GRAPH_PASS_NAMES, PASSES, check_skip, run_g
 from graphfit.pipeline.verify import verify_placement, verify_rewrite
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import run_once
-from graphfit.profiler.sizes import parse_bytes
+from graphfit.profiler.sizes import format_bytes, parse_bytes
 from graphfit.profiler.trace import print_progress, profile_graph
 from graphfit.remat.closed_loop import PEAK_TOLERANCE, fit_budget
 from graphfit.remat.pipeline import PLANNERS, BudgetError
 from graphfit.remat.plan import RematPlan
 
-__all__ = ["PASSES", "OptimizeResult", "PassRecord", "optimize"]
+__all__ = ["PASSES", "SMALLEST", "OptimizeResult", "PassRecord", "optimize"]
 
 # Joint mode: how many of the search's fitting options, fastest first, are built and measured
 # before giving up (each costs a rewrite, a placement and two measured runs).
 JOINT_TRIES = 4
+# ``memory_ratio=SMALLEST``: fit the smallest budget the planner finds a plan for (searched
+# again on the orders of each fit, SMALLEST_TRIES fits at most).
+SMALLEST = "min"
+SMALLEST_TRIES = 3
 @dataclasses.dataclass
 class PassRecord:
     """What one pass did: whether it ran and changed the step, how long it took, its report."""
@@ -93,9 +97,9 @@ class OptimizeResult:
 
 
 def optimize(item: GraphItem, *,
-             memory_budget: int | str | None = None, memory_ratio: float | None = None,
+             memory_budget: int | str | None = None, memory_ratio: float | str | None = None,
              joint: "JointSpace | None" = None,
-             remat_heuristic: str = "dtr", remat_overhead_limit: float = 2.0,
+             remat_heuristic: str = "offline", remat_overhead_limit: float = 2.0,
              target: RunTarget | None = None, devices: DeviceSet | None = None,
              profile: Profile | None = None, place_options: dict[str, Any] | None = None,
              verify: bool = True, verify_structure: bool = False, skip: Iterable[str] = (),
@@ -106,7 +110,8 @@ def optimize(item: GraphItem, *,
         item: the training step (``models.build``, or ``profiler.tf_function`` for Keras).
         memory_budget: bytes the step may use at its peak (resident variables and feeds
             included), an int or a size such as ``"300MiB"``; or ``memory_ratio``, a fraction
-            of its measured peak. Neither: no remat.
+            of its measured peak, or ``"min"``: the smallest budget the planner finds a plan
+            for within ``remat_overhead_limit``. Neither: no remat.
         joint: search the remat budget and the placer together (``pipeline.joint.JointSpace``:
             the ratios and placers to try) instead of taking a budget: the fastest simulated
             option that fits every device of ``devices`` is rewritten and placed by the same
@@ -137,7 +142,8 @@ def optimize(item: GraphItem, *,
         errors.ArgumentError: an unknown pass name, both budgets given, a budget with
             ``joint``, or a budget, ratio, overhead limit or planner that is not valid (checked
             before any work); ``devices`` not matching ``target``.
-        remat.pipeline.BudgetError: no plan fits the budget (names the minimum), or, when
+        remat.pipeline.BudgetError: no plan fits the budget (``smallest_bytes``: the
+            smallest budget that plans, ``cause``: why this one does not), or, when
             verifying, the measured peak stays above it after every round.
         profiler.session.StepFailedError: the rewritten or placed step does not run on TF.
         baechi.schedule.PlacementError: the step cannot fit the devices (says how much is
@@ -158,7 +164,7 @@ def optimize(item: GraphItem, *,
     # Checked before any profiling: a bad argument must not cost a measured run first.
     if memory_budget is not None:
         memory_budget = parse_bytes(memory_budget, "memory_budget")
-    if memory_ratio is not None:
+    if memory_ratio is not None and memory_ratio != SMALLEST:
         check_number(memory_ratio, "memory_ratio", above=0)
     check_number(remat_overhead_limit, "remat_overhead_limit", minimum=1, allow_inf=True)
     if remat_heuristic not in PLANNERS:
@@ -236,9 +242,24 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     args = (budget_bytes, budget_ratio, remat.heuristic, remat.overhead_limit, remat.verify,
             remat.num_cpu_devices)
     early = any(r.name == "early_updates" and r.changed for r in records)
+    smallest = budget_ratio == SMALLEST
+    if smallest:
+        budget_bytes = _smallest_budget(original, item, remat, early)
+        args = (budget_bytes, None, *args[2:])
     before = item
     try:
-        item, plan, details = fit_budget(original, item, *args, order_updates=early)
+        for attempt in range(SMALLEST_TRIES if smallest else 1):
+            if smallest:
+                say(f"remat: the smallest budget with a plan is {format_bytes(args[0])}")
+            try:
+                item, plan, details = fit_budget(original, before, *args, order_updates=early)
+                break
+            except BudgetError as error:
+                # Each fit traces the step's orders anew, and a budget that planned on one
+                # set can miss on the next by a few percent: take the new set's smallest.
+                if not smallest or error.smallest_bytes is None or attempt == SMALLEST_TRIES - 1:
+                    raise
+                args = (error.smallest_bytes, None, *args[2:])
     except BudgetError as error:
         if item is original:
             raise
@@ -259,9 +280,25 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     records.append(PassRecord("remat", plan.num_recomputes > 0, time.perf_counter() - begin,
                               details))
     say(f"remat: {plan.num_recomputes} recomputations, planned peak "
-        f"{plan.peak_bytes / 2**20:.1f} MiB (budget {plan.budget_bytes / 2**20:.1f} MiB), "
+        f"{format_bytes(plan.peak_bytes)} (budget {format_bytes(plan.budget_bytes)}), "
         f"planned overhead {plan.overhead:.2f}x")
     return item, plan
+
+
+def _smallest_budget(original: GraphItem, item: GraphItem, remat: _RematSettings,
+                     early: bool) -> int:
+    """``memory_ratio="min"``: the smallest budget in bytes that plans
+    (``remat.pipeline.with_smallest_budget``, searched from a budget no step meets), so the
+    closed loop then fits those bytes, not a ratio of a peak measured again, which moves
+    between runs."""
+    try:
+        fit_budget(original, item, 1, None, remat.heuristic, remat.overhead_limit, False,
+                   remat.num_cpu_devices, order_updates=early)
+    except BudgetError as error:
+        if error.smallest_bytes is None:
+            raise
+        return error.smallest_bytes
+    raise AssertionError("a budget of one byte has a plan")
 
 
 def _place_pass(item: GraphItem, target: RunTarget, devices: DeviceSet, profile: Profile | None,
@@ -329,7 +366,7 @@ def _joint(original: GraphItem, item: GraphItem, space: "JointSpace", remat: _Re
         details["tried"].append({"option": option.label(), "over_limit_bytes": over})
         if over:
             say("joint: measured over the limits by " + ", ".join(
-                f"{b / 2**20:.2f} MiB on {d}" for d, b in over.items()))
+                f"{format_bytes(b)} on {d}" for d, b in over.items()))
             continue
         details["built"] = option.to_json()
         remat_details = ({"skipped": "the winner recomputes nothing"} if plan is None else

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from graphfit.baechi.gantt import COLOURS, add_legend
 from graphfit.profiler.profile import atomic_write_json, write_files
+from graphfit.profiler.sizes import format_bytes
 
 if TYPE_CHECKING:
     from graphfit.pipeline.meta_optimizer import OptimizeResult
 
-__all__ = ["REPORT_FILES", "write_report"]
+__all__ = ["REPORT_FILES", "placement_lines", "remat_line", "write_report"]
 
 REPORT_FILES = ("report.json", "memory.png", "placement_gantt.png", "remat_plan.md",
                 "schedule_trace.json", "summary.md")
@@ -84,16 +86,23 @@ def _memory_plot(result: "OptimizeResult", path: str) -> None:
     for axis, name, (times, level) in zip(axes[:, 0], names,
                                           device_timelines(result.schedule)):
         axis.step(times / 1000, level / MIB, where="post", label="planned")
+        highest = float(level.max()) if len(level) else 0.0
         if measured.get(name):
             t, b = zip(*measured[name])
             axis.step([x / 1000 for x in t], [x / MIB for x in b], where="post",
                       label="measured")
+            highest = max(highest, float(max(b)))
         limit = placement.get("limit_bytes", {}).get(name)
-        if limit:
+        title = name
+        if limit and limit <= 2 * highest:
             axis.axhline(limit / MIB, color="red", linestyle="--", label="limit")
-        axis.set_ylabel("MiB")
-        axis.set_title(name, fontsize=9)
+        elif limit:  # a limit far above the step (the machine's RAM) would flatten the lines
+            title += f" (limit {format_bytes(limit)}, off the scale)"
+        axis.set_ylim(bottom=0)
+        axis.set_ylabel("in use (MiB)")
+        axis.set_title(title, fontsize=9)
         axis.legend(fontsize=7, loc="upper right")
+    figure.suptitle("memory per device over the step: planned against measured", fontsize=10)
     axes[-1, 0].set_xlabel("time in the step (ms; planned: simulated, measured: traced run)")
     _save_figure(figure, path)
 
@@ -105,7 +114,7 @@ def _gantt(result: "OptimizeResult", path: str) -> None:
     names = list(s.devices.names)
     figure, axis = plt.subplots(figsize=(10, 0.6 * len(names) + 1.5))
     is_clone = ["/remat_" in s.units.unit_name(u) for u in range(s.units.num_units)]
-    colours = {False: "tab:blue", True: "tab:orange"}
+    colours = {False: COLOURS["compute"], True: COLOURS["recompute"]}
     for d in range(len(names)):
         for clone, colour in colours.items():
             axis.broken_barh([(s.start_us[u] / 1000, max(s.finish_us[u] - s.start_us[u], 1.0)
@@ -115,16 +124,59 @@ def _gantt(result: "OptimizeResult", path: str) -> None:
     for k in range(len(s.transfer_tensor)):
         axis.broken_barh([(s.transfer_start_us[k] / 1000,
                            max(s.transfer_end_us[k] - s.transfer_start_us[k], 1.0) / 1000)],
-                         (int(s.transfer_dst[k]) + 0.25, 0.15), facecolors="tab:green")
+                         (int(s.transfer_dst[k]) + 0.25, 0.15),
+                         facecolors=COLOURS["incoming transfer"])
     axis.set_yticks(range(len(names)), names, fontsize=8)
-    axis.set_xlabel("simulated time (ms)")
+    axis.set_xlabel("simulated time in the step (ms)")
     axis.set_title(f"placement: makespan {s.makespan_us / 1000:.2f} ms")
-    patches = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange",
-                                                               "tab:green")]
-    axis.legend(patches, ["compute", "recompute", "incoming transfer"], fontsize=8,
-                loc="upper right")
+    add_legend(axis)
     axis.invert_yaxis()
     _save_figure(figure, path)
+
+
+def remat_line(result: "OptimizeResult") -> str | None:
+    """The remat pass in one line, planned against measured (``None``: it changed nothing).
+    The console and ``summary.md`` both print this line, so they show the same numbers."""
+    remat = result.report().get("remat", {})
+    if not remat.get("changed"):
+        return None
+    measured = remat.get("measured_peak_bytes")
+    text = (f"remat{' ' + remat['method'] if remat.get('method') else ''}: "
+            f"{remat['num_recomputes']} recomputations; peak "
+            f"{format_bytes(remat['baseline_peak_bytes'])} -> planned "
+            f"{format_bytes(remat['planned_peak_bytes'])}"
+            + (f", measured {format_bytes(measured)}" if measured is not None else "")
+            + f" (budget {format_bytes(remat['budget_bytes'])}); compute "
+            f"x{remat['planned_overhead']:.2f} planned")
+    if remat.get("measured_overhead") is not None:
+        text += f", x{remat['measured_overhead']:.2f} measured"
+    if remat.get("planned_step_vs_user") is not None:
+        text += (f"; step time x{remat['planned_step_vs_user']:.2f} of your step planned, "
+                 f"x{remat['overhead_vs_user']:.2f} measured")
+    if "loss_match" in remat:
+        equal = remat["loss_match"] and remat["gradients_match"]
+        text += f"; loss and gradients equal: {'yes' if equal else 'NO'}"
+    return text
+
+
+def placement_lines(result: "OptimizeResult") -> list[str]:
+    """Per device its ops and planned, measured and allowed peak, then the placer, the planned
+    makespan and whether the placed step computes the single device's loss and gradients."""
+    placement = result.placement
+    if not placement or "measured_peak_bytes" not in placement:
+        return []
+    plan = placement["plan"]
+    lines = [f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
+             f"{format_bytes(placement['planned_peak_bytes'][name])}, measured "
+             f"{format_bytes(placement['measured_peak_bytes'].get(name, 0))}, limit "
+             f"{format_bytes(placement['limit_bytes'][name])}"
+             for name in placement["devices"]]
+    lines.append(f"placed by {plan.get('method', 'the placer')} on "
+                 f"{len(placement['devices'])} devices ({placement['target']}) in "
+                 f"{plan['placement_s']:.2f} s; makespan planned {plan['makespan_us'] / 1000:.2f} "
+                 f"ms; loss and gradients equal to one device: "
+                 f"{'yes' if placement['equal_to_single_device'] else 'NO'}")
+    return lines
 
 
 def _remat_markdown(result: "OptimizeResult") -> str:
@@ -133,10 +185,12 @@ def _remat_markdown(result: "OptimizeResult") -> str:
         return "# Rematerialization plan\n\nNothing is recomputed: the step fits as it is.\n"
     rows = plan.stats.get("recomputed_ops", [])
     total_us = sum(r["times"] * r["compute_us"] for r in rows)
+    baseline = result.report().get("remat", {}).get(      # the baseline summary.md shows
+        "baseline_peak_bytes", plan.stats.get("baseline_peak_bytes", 0))
     lines = ["# Rematerialization plan", "",
-             f"Planner `{plan.method}`, budget {plan.budget_bytes / MIB:.2f} MiB, planned peak "
-             f"{plan.peak_bytes / MIB:.2f} MiB on one device "
-             f"(baseline {plan.stats.get('baseline_peak_bytes', 0) / MIB:.2f} MiB). "
+             f"Planner `{plan.method}`, budget {format_bytes(plan.budget_bytes)}, planned peak "
+             f"{format_bytes(plan.peak_bytes)} on one device "
+             f"(baseline {format_bytes(baseline)}). "
              f"{plan.num_recomputes} recomputations of {len(rows)} ops cost "
              f"{total_us / 1000:.2f} ms of compute: x{plan.overhead:.3f} the step's compute.",
              "", "| op | type | recomputed | compute per run (us) | output (MiB) |",
@@ -146,9 +200,29 @@ def _remat_markdown(result: "OptimizeResult") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summary_markdown(result: "OptimizeResult", written: list[str]) -> str:
+def _run_markdown(result: "OptimizeResult", run: dict[str, Any] | None) -> list[str]:
+    """What ran: the passes that changed the step, the placer, and the measured step time
+    against the user's (or "unchanged": no ratio of two timings of one graph)."""
+    changed = [p.name for p in result.passes if p.changed]
+    if not changed:
+        return ["**Unchanged**: no pass rewrote the step (no budget, or nothing to do); it "
+                "runs as you run it.", ""]
+    text = f"Passes that changed the step: {', '.join(changed)}."
+    if result.placement:
+        text += f" Placer: {result.placement['plan'].get('method', 'unknown')}."
+    if run and run.get("overhead_vs_user") is not None:
+        text += (f" Measured step time {run['step_time_ms_median']:.1f} ms, "
+                 f"x{run['overhead_vs_user']:.2f} your step under TF's defaults "
+                 f"({run['user_step_time_ms_median']:.1f} ms).")
+    if run and run.get("peak_bytes") is not None:
+        text += f" Measured peak {format_bytes(run['peak_bytes'])}."
+    return [text, ""]
+
+
+def _summary_markdown(result: "OptimizeResult", written: list[str],
+                      extra: dict[str, Any] | None = None) -> str:
     report = result.report()
-    lines = ["# graphfit report", ""]
+    lines = ["# graphfit report", ""] + _run_markdown(result, (extra or {}).get("run"))
     joint = report.get("joint", {}).get("search")
     if joint:
         lines += ["## Joint remat + placement", "", joint["explanation"], "",
@@ -165,17 +239,9 @@ def _summary_markdown(result: "OptimizeResult", written: list[str]) -> str:
                          f"{option['reason'][:120]} |")
         lines += ["", f"{len(joint['options'])} options simulated; all are in `report.json` "
                   "(`joint.search.options`).", ""]
-    remat = report.get("remat", {})
-    if remat.get("changed"):
-        lines += ["## Rematerialization", "",
-                  f"Peak {remat['baseline_peak_bytes'] / MIB:.2f} MiB -> planned "
-                  f"{remat['planned_peak_bytes'] / MIB:.2f}, measured "
-                  f"{remat.get('measured_peak_bytes', 0) / MIB:.2f} MiB; compute overhead "
-                  f"planned x{remat['planned_overhead']:.2f}, measured "
-                  f"x{remat.get('measured_overhead', float('nan')):.2f}; step time against the "
-                  f"user's step (TF's defaults) planned "
-                  f"x{remat.get('planned_step_vs_user', float('nan')):.2f}, measured "
-                  f"x{remat.get('overhead_vs_user', float('nan')):.2f}.", ""]
+    remat = remat_line(result)
+    if remat:
+        lines += ["## Rematerialization", "", remat[0].upper() + remat[1:] + ".", ""]
     placement = result.placement
     if placement and "measured_peak_bytes" in placement:
         lines += ["## Per device: planned vs measured peak", "",
@@ -186,9 +252,8 @@ def _summary_markdown(result: "OptimizeResult", written: list[str]) -> str:
                          f"{placement['planned_peak_bytes'][name] / MIB:.2f} | "
                          f"{placement['measured_peak_bytes'].get(name, 0) / MIB:.2f} | "
                          f"{placement['limit_bytes'][name] / MIB:.2f} |")
-        lines += ["", f"Planned makespan {placement['plan']['makespan_us'] / 1000:.2f} ms; loss "
-                  f"and gradients equal to the single-device step: "
-                  f"{placement['equal_to_single_device']}.", ""]
+        verdict = placement_lines(result)[-1]
+        lines += ["", verdict[0].upper() + verdict[1:] + ".", ""]
     described = {"report.json": "every number", "memory.png": "memory per device over the step, "
                  "planned vs measured", "placement_gantt.png": "the placement as a Gantt chart",
                  "remat_plan.md": "what is recomputed and what it costs",
@@ -225,6 +290,6 @@ def write_report(result: "OptimizeResult", directory: str,
         writers["placement_gantt.png"] = lambda p: _gantt(result, p)
         writers["schedule_trace.json"] = result.schedule.write_chrome_trace
     writers["remat_plan.md"] = lambda p: _write_text(p, _remat_markdown(result))
-    summary = _summary_markdown(result, [*writers, "summary.md"])
+    summary = _summary_markdown(result, [*writers, "summary.md"], extra)
     writers["summary.md"] = lambda p: _write_text(p, summary)
     return write_files(directory, writers, owned=REPORT_FILES)

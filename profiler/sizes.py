@@ -12,7 +12,7 @@ import numpy as np
 
 from graphfit.errors import ArgumentError
 
-__all__ = ["SizeError", "parse_bytes"]
+__all__ = ["SizeError", "format_bytes", "parse_bytes"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G": 10**9,
@@ -22,6 +22,25 @@ _UNIT_BYTES = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G
 
 class SizeError(ArgumentError):
     """A memory size cannot be parsed or is negative."""
+
+
+def format_bytes(num_bytes: float) -> str:
+    """A size as a person reads it, in the unit that keeps it short: ``812 KiB``, ``25.68 MiB``,
+    ``8.00 GiB`` (``B`` below a KiB). Every line a person reads uses this one form, so one
+    number never shows as two (25.7 and 25.68 MiB).
+
+    Examples:
+        >>> format_bytes(512), format_bytes(831_488), format_bytes(26_927_923), format_bytes(2**33)
+        ('512 B', '812 KiB', '25.68 MiB', '8.00 GiB')
+    """
+    size = float(num_bytes)
+    if abs(size) < 2**10:
+        return f"{size:.0f} B"
+    if abs(size) < 2**20:
+        return f"{size / 2**10:.0f} KiB"
+    if abs(size) < 2**30:
+        return f"{size / 2**20:.2f} MiB"
+    return f"{size / 2**30:.2f} GiB"
 
 
 def parse_bytes(text: str | int, name: str | None = None) -> int:

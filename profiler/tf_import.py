@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.util import deprecation
 
 from graphfit.profiler.cost_graph import CostGraph, OpSpec, gc_paused
 from graphfit.profiler.profile import Profile
@@ -71,7 +72,10 @@ def _flops(graph: tf.Graph, op: tf.Operation) -> float | None:
     if op.type in _TYPES_WITHOUT_FLOPS:
         return None
     try:
-        value = tf_ops.get_stats_for_node_def(graph, op.node_def, "flops").value
+        # TF's own FLOP functions call a deprecated TF helper: its notice is about TF's
+        # internals, nothing a user of this project can act on.
+        with deprecation.silence():
+            value = tf_ops.get_stats_for_node_def(graph, op.node_def, "flops").value
     except (ValueError, TypeError):
         value = None
     if value is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import run_once
-from graphfit.remat.pipeline import BudgetError, rematerialize
+from graphfit.remat.pipeline import BudgetError, rematerialize, with_smallest_budget
 from graphfit.remat.plan import RematPlan
 
 __all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "PLAN_ORDERS", "fit_budget"]
@@ -98,8 +98,9 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                                             heuristic=heuristic, overhead_limit=overhead_limit,
                                             side_by_side=side_by_side, step_traces=traces)
         except BudgetError as error:
-            if not rounds:
-                raise
+            if not rounds:  # name the smallest budget that plans, on these same orders
+                raise with_smallest_budget(error, item, models, heuristic, overhead_limit,
+                                           baseline.peak_bytes)
             raise BudgetError(f"{_missed(budget, rounds)}; planning again for "
                               f"{planning_budget / 2**20:.1f} MiB failed: {error}",
                               budget, error.minimum_bytes) from error

@@ -25,8 +25,9 @@ if TYPE_CHECKING:   # both import TF; annotations only
     from graphfit.remat.step_time import StepTraces
     from graphfit.remat.tf_memory import MemoryModel
 
-__all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "cheapest_plan", "plan_for_budget",
-           "planning_orders", "rematerialize", "resident_outputs"]
+__all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "CAUSES", "HINT_ROOM",
+           "cheapest_plan", "plan_for_budget", "planning_orders", "rematerialize", "resident_outputs",
+           "with_smallest_budget"]
 
 BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
 
@@ -41,11 +42,29 @@ PLANNERS = _simulated_planners() + BASELINE_PLANNERS
 
 class BudgetError(GraphfitError, ValueError):
     """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
-    meet (or a lower bound of it), ``budget_bytes`` the one asked for."""
+    meet (or a lower bound of it), ``budget_bytes`` the one asked for; ``cause`` says why in a
+    few words (``CAUSES``). Where the remat pass searched for it (``with_smallest_budget``),
+    ``smallest_bytes`` is a budget that does plan (``None``: not even the baseline peak) and
+    ``baseline_bytes`` the measured peak it was searched below."""
 
-    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int):
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int, cause: str = ""):
         super().__init__(message)
         self.budget_bytes, self.minimum_bytes = int(budget_bytes), int(minimum_bytes)
+        self.cause = cause
+        self.smallest_bytes: int | None = None
+        self.baseline_bytes: int | None = None
+
+
+# Why a budget has no plan, as ``BudgetError.cause`` says it.
+CAUSES = {
+    "floor": "the budget is below what the step holds at once whatever is recomputed (its "
+             "weights, inputs and optimizer state, the tensors that cannot be recomputed, and "
+             "the largest op's working set)",
+    "evictable": "the planner ran out of evictable memory: everything still resident at some "
+                 "op is needed there or cannot be recomputed",
+    "overhead": "the plan would recompute more than the overhead limit allows",
+    "solver": "the solver found no schedule within its time limit",
+}
 
 
 def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int]:
@@ -105,21 +124,23 @@ def plan_for_budget(cost_graph: CostGraph, budget_bytes: int | None, heuristic: 
                                        overhead_limit=overhead_limit)
     except (simulator.OutOfMemoryError, validate.InfeasibleBudgetError) as error:
         minimum = f"{error.minimum_bytes:,} bytes ({error.minimum_bytes / 2**20:.1f} MiB)"
-        summary = (f"the minimum is {minimum}" if budget_bytes < error.minimum_bytes else
+        floor = budget_bytes < error.minimum_bytes
+        summary = (f"the minimum is {minimum}" if floor else
                    f"{heuristic} ran out of evictable memory although the lower bound is "
                    f"{minimum}; raise the budget or try another heuristic")
         raise BudgetError(f"{heuristic}: no plan fits a budget of {budget_bytes:,} bytes; "
-                          f"{summary}. {error}", budget_bytes, error.minimum_bytes) from error
+                          f"{summary}. {error}", budget_bytes, error.minimum_bytes,
+                          "floor" if floor else "evictable") from error
     except checkmate.NoScheduleFoundError as error:
         raise BudgetError(
             f"checkmate: HiGHS found no schedule for a budget of {budget_bytes:,} bytes within "
             f"its time limit (which proves nothing); try a DTR heuristic such as 'offline'. "
-            f"{error}", budget_bytes, budget_bytes) from error
+            f"{error}", budget_bytes, budget_bytes, "solver") from error
     except simulator.ThrashError as error:
         raise BudgetError(
             f"{heuristic}: a budget of {budget_bytes:,} bytes needs more than "
             f"{error.limit}x the step's compute (thrashing); raise the budget or "
-            f"--remat_overhead_limit. {error}", budget_bytes, budget_bytes) from error
+            f"--remat_overhead_limit. {error}", budget_bytes, budget_bytes, "overhead") from error
     # DTR evicts lazily, when the budget is hit; TF frees a tensor as soon as its last reader
     # (of that version) finished. Re-deriving the frees from the simulated schedule gives the
     # peak TF will show, and re-checks the plan.
@@ -202,6 +223,51 @@ def cheapest_plan(models: "list[MemoryModel]", budget_bytes: int, heuristic: str
         raise min(errors, key=lambda error: error.minimum_bytes)
     best[1].stats["orders"] = overheads
     return best
+
+
+# Room a suggested budget leaves above the smallest one with a plan: a new run traces the
+# step's orders again, and on a Keras mlp the smallest moved by 2.2% between calls.
+HINT_ROOM = 0.05
+# Bisections of ``with_smallest_budget``: the budget it names is within 2^-6 of the
+# baseline peak above the smallest that plans (each bisection plans every order once).
+SMALLEST_BUDGET_STEPS = 6
+
+
+def with_smallest_budget(error: BudgetError, item: GraphItem, models: "list[MemoryModel]",
+                         heuristic: str, overhead_limit: float,
+                         baseline_bytes: int) -> BudgetError:
+    """``error`` (no plan for its budget) with the smallest budget that does plan: bisected
+    between the planner's lower bound and the measured baseline peak on the first traced
+    order of the same step (as traced and reordered), so the answer is a budget a plan was
+    found for, not an estimate, and it plans on every set of orders that contains that one.
+    One order, not all: each bisection plans every order searched, and on a keras-hub GPT-2
+    step twelve orders took three minutes. Planners are not monotone in their budget; a
+    budget that plans is returned, never one that did not.
+
+    Returns:
+        ``error`` with ``smallest_bytes`` (``None``: not even the baseline plans) and
+        ``baseline_bytes`` set.
+    """
+    orders = planning_orders(item, models[:1])
+
+    def plans(budget: int) -> bool:
+        try:
+            cheapest_plan(orders, budget, heuristic, overhead_limit, item.loss)
+        except BudgetError:
+            return False
+        return True
+
+    low, high = max(error.minimum_bytes, error.budget_bytes), int(baseline_bytes)
+    if low >= high or not plans(high):
+        high = None
+    elif low > error.budget_bytes and plans(low):    # the asked budget itself did not plan
+        high = low
+    else:
+        for _ in range(SMALLEST_BUDGET_STEPS):
+            middle = (low + high) // 2
+            low, high = (low, middle) if plans(middle) else (middle, high)
+    error.smallest_bytes, error.baseline_bytes = high, int(baseline_bytes)
+    return error
 
 
 def planning_orders(item: GraphItem, models: "list[MemoryModel]") -> "list[MemoryModel]":

@@ -8,6 +8,7 @@ traceback and no page of flag help. gRPC faults are tested with the cluster code
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -204,12 +205,15 @@ def test_communication_benchmark_flags(tmp_path):
 
 @pytest.mark.slow
 def test_runtime_library_error_is_one_paragraph(tmp_path):
-    """A budget below the minimum is found after profiling: still one paragraph, status 2."""
-    result = _run_binary("train", "--model_name=mlp", "--preset=tiny", "--steps=2",
+    """A budget below the minimum is found after profiling: still one paragraph, status 2,
+    naming the smallest budget with a plan as the flags to pass."""
+    result = _run_binary("train", "--model_name=resnet", "--preset=tiny", "--steps=2",
                          "--memory_budget=1KiB", f"--report_path={tmp_path}/r.json")
     assert result.returncode == 2, result.stderr[-2000:]
     line = _error_line(result)
     assert "no plan fits a budget of 1,024 bytes; the minimum is" in line
+    assert re.search(r"The smallest budget with a plan is .* pass --memory_budget=\d+ .* or "
+                     r"--memory_ratio=0\.\d\d\.$", line), line
     assert "Traceback" not in result.stderr and "--costgen" not in result.stderr
 
 
@@ -437,6 +441,6 @@ def test_sixteen_virtual_devices_run(tmp_path):
     result = _run_binary("train", "--model_name=mlp", "--preset=tiny", "--steps=2",
                          "--num_devices=16", f"--report_path={tmp_path}/r.json")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "placed on 16 devices" in result.stderr
+    assert "on 16 devices (virtual_cpu)" in result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["place"]["equal_to_single_device"]

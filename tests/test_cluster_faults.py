@@ -331,12 +331,11 @@ def _children(pid):
 @pytest.mark.skipif(netns.unavailable_reason() is not None,
                     reason=f"no user + network namespaces here: {netns.unavailable_reason()}")
 def test_isolated_local_cluster_is_unreachable_and_a_killed_worker_leaves_no_orphan(tmp_path):
-    """train --cluster=grpc --isolated_network: the workers' ports cannot be reached from
-    outside the namespace; a worker killed during the placement check ends the run within 60 s
-    with the worker named, and no worker process survives the run."""
-    train = _train("--cluster=grpc", "--num_devices=2", "--isolated_network",
-                   "--steps=1000000", f"--cluster_timeout_s={OPERATION_TIMEOUT_S}",
-                   f"--report_path={tmp_path}/r.json")
+    """train --cluster=grpc, isolated by default where namespaces exist: the workers' ports
+    cannot be reached from outside the namespace; a worker killed during the placement check
+    ends the run within 60 s with the worker named, and no worker process survives the run."""
+    train = _train("--cluster=grpc", "--num_devices=2", "--steps=1000000",
+                   f"--cluster_timeout_s={OPERATION_TIMEOUT_S}", f"--report_path={tmp_path}/r.json")
     lines = _wait_for_placement(train)
     workers = [(pid, command) for pid, command in _children(train.pid)
                if "graphfit.tools.worker" in command]
@@ -360,6 +359,21 @@ def test_isolated_local_cluster_is_unreachable_and_a_killed_worker_leaves_no_orp
     time.sleep(1.0)  # workers poll their parent every 0.2 s
     assert [pid for pid, _ in workers if _state(pid) not in ("", "Z")] == []
     train.stdout.close()
+
+
+@pytest.mark.slow
+def test_local_cluster_that_cannot_be_isolated_warns_in_the_clients_output(tmp_path):
+    """Without namespaces (here: no ``unshare`` on PATH) the run goes on, and the warning that
+    its workers are reachable is in ``train``'s own stderr, not in a worker's log."""
+    env = {**ENV, "PATH": os.path.dirname(sys.executable)}
+    result = subprocess.run(
+        [sys.executable, "-m", "graphfit.tools.train", "--model_name=mlp", "--preset=tiny",
+         "--cluster=grpc", "--num_devices=2", "--steps=1", f"--report_path={tmp_path}/r.json"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "train: warning: the 2 gRPC workers of this run are not isolated (the unshare " \
+           "program" in result.stderr
+    assert "no authentication" in result.stderr
 
 
 def _state(pid):

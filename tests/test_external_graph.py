@@ -154,6 +154,7 @@ def test_place_binary_writes_placement_trace_and_plot(tmp_path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert sum(e.get("cat") == "compute" for e in events) == graph.graph.num_ops
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
+    assert "bytes" not in result.stdout and "iB of " in result.stdout  # sizes a person reads
 
 
 def test_place_binary_reports_bad_input_without_traceback(tmp_path):

@@ -16,6 +16,7 @@ from graphfit.pipeline.report import REPORT_FILES
 from graphfit.baechi.schedule import MIN_DURATION_US, simulate
 from graphfit.baechi.units import UnitGraph
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
+from graphfit.profiler.sizes import format_bytes
 from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.closed_loop import PEAK_TOLERANCE
 from graphfit.remat.pipeline import plan_for_budget
@@ -166,6 +167,17 @@ def test_report_dir_holds_every_file_a_person_reads(demo):
     summary = (directory / "summary.md").read_text()
     assert "| /device:CPU:3 |" in summary and "place only" in summary
     assert all(f"({name})" in summary for name in REPORT_FILES if name != "summary.md")
+    # One run, one count of recomputations and one baseline everywhere a person reads them,
+    # and the search's winner is the option built.
+    count = data["remat"].get("num_recomputes", 0)
+    assert data["joint"]["built"] == data["joint"]["search"]["winner"]
+    assert data["joint"]["built"]["num_recomputes"] == count
+    if count:
+        assert f"{count} recomputations" in plan and f"{count} recomputations" in summary
+        baseline = format_bytes(data["remat"]["baseline_peak_bytes"])
+        assert f"baseline {baseline}" in plan and f"peak {baseline} ->" in summary
+    assert f"Placer: {data['place']['plan']['method']}." in summary
+    assert "Measured step time" in summary and "your step under TF's defaults" in summary
 
 
 def test_placing_the_step_as_it_is_competes_with_the_searched_options(chain):

@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 _NOT_SOURCES = shutil.ignore_patterns(".*", "bazel-*", "build", "*.egg-info", "results", "out",
-                                      "__pycache__")
+                                     "__pycache__")  # results: bench/results, recorded data
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@
 process's CPU allocator, whose peak ``test_profiler`` compares with a step's own.)"""
 
 import os
+import re
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -88,12 +89,61 @@ def test_a_minimum_above_the_measured_peak_asks_for_bytes_not_a_ratio():
 
 
 @pytest.mark.slow
-def test_a_budget_below_the_minimum_names_the_smallest_ratio():
+def test_a_budget_below_the_minimum_names_the_smallest_budget_and_it_plans():
+    """The error says why (the floor) and names the smallest budget with a plan, in bytes and
+    as a ratio; that budget, passed back, does plan. It suggests no keyword value the caller
+    already gave (the planner), and no command-line flag."""
     x, y = _data(1)
-    with pytest.raises(KerasFitError, match=r"memory_ratio=0.02 .* pass memory_ratio >= 0\.\d\d"
-                       ) as error:
-        optimize_model(_model(), x, y, memory_ratio=0.02, verify=False)
-    assert "--" not in str(error.value)                # no command-line flags
+    with pytest.raises(KerasFitError, match=r"memory_ratio=0.02 \(.*\) has no plan: the budget "
+                       r"is below what the step holds at once.*The smallest budget with a plan "
+                       r"is .* of the peak measured in this call .*memory_budget=(\d+) .*"
+                       r"memory_ratio=0\.\d\d or more") as error:
+        optimize_model(_model(), x, y, memory_ratio=0.02, verify=False, progress=None)
+    message = str(error.value)
+    assert "--" not in message and "remat_heuristic" not in message
+    smallest = int(re.search(r"memory_budget=(\d+)", message)[1])
+    step = optimize_model(_model(), x, y, memory_budget=smallest, verify=False, progress=None)
+    assert step.result.report()["remat"]["planned_peak_bytes"] <= smallest
+
+
+@pytest.mark.slow
+def test_min_ratio_fits_the_smallest_budget_with_a_plan():
+    x, y = _data(1)
+    step = optimize_model(_model(), x, y, memory_ratio="min", verify=False, progress=None)
+    remat = step.result.report()["remat"]
+    assert remat["changed"] and remat["planned_peak_bytes"] <= remat["budget_bytes"]
+    assert remat["budget_bytes"] < 0.75 * step.result.plan.stats["baseline_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_a_dict_of_inputs_and_sample_weight_train_like_keras():
+    """Inputs as keras-hub backbones take them (a dict) and per-example weights: the
+    optimized step trains the model as ``train_on_batch`` does with the same arguments."""
+    def model(seed=3):
+        keras.utils.set_random_seed(seed)
+        a, b = keras.Input((32,), name="a"), keras.Input((32,), name="b")
+        h = keras.layers.Concatenate()([keras.layers.Dense(256, activation="relu")(a),
+                                        keras.layers.Dense(256, activation="relu")(b)])
+        for _ in range(6):
+            h = keras.layers.Dense(256, activation="relu")(h)
+        built = keras.Model({"a": a, "b": b}, keras.layers.Dense(CLASSES)(h))
+        built.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return built
+
+    rng = np.random.default_rng(3)
+    x = {k: rng.standard_normal((BATCH, 32), dtype=np.float32) for k in "ab"}
+    y = rng.integers(0, CLASSES, BATCH).astype(np.int32)
+    w = rng.random(BATCH, dtype=np.float32)
+    ours, reference = model(), model()
+    step = optimize_model(ours, x, y, sample_weight=w, memory_ratio=0.6, progress=None)
+    assert step.result.report()["remat"]["changed"]
+    np.testing.assert_allclose(step(x, y, w), reference.train_on_batch(x, y, sample_weight=w),
+                               rtol=1e-4)
+    with pytest.raises(KerasFitError, match="with sample_weight"):
+        step(x, y)
+    for a, b in zip(ours.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_without_a_budget_the_step_is_the_users_own_function():

@@ -58,7 +58,9 @@ from graphfit.tools import cli
 __all__ = ["CONTENTION_RATIO", "contention_graph", "fit_relative", "main",
            "measure_contention", "measure_transfers", "transfer_graph"]
 
-_OUTPUT = flags.DEFINE_string("output", "bench/results/communication.json",
+# Under out/, like every tool's output: run from the checkout, a run never overwrites the
+# recorded bench/results/communication.json (bench/RESULTS.md), only --output can.
+_OUTPUT = flags.DEFINE_string("output", "out/communication.json",
                               "Where to write the per-link communication costs (JSON); a "
                               "plot is written next to it (.png).")
 _MAX_POWER = flags.DEFINE_integer("max_power", 22, "Largest transfer is 2^max_power float32 "

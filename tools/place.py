@@ -20,6 +20,7 @@ import os
 
 from absl import flags
 
+from graphfit.baechi import gantt
 from graphfit.baechi.devices import LINK_MODELS
 from graphfit.baechi.external_graph import load_external_graph
 from graphfit.baechi.grouping import GROUPERS
@@ -28,6 +29,7 @@ from graphfit.baechi.memory import MEMORY_MODELS
 from graphfit.baechi.place import METHODS, PLACER_TYPES, Placement, place
 from graphfit.errors import check_writable_path
 from graphfit.profiler.profile import atomic_write_json, write_files
+from graphfit.profiler.sizes import format_bytes
 from graphfit.tools import cli
 
 __all__ = ["main", "placement_json", "plot_gantt"]
@@ -72,13 +74,16 @@ def plot_gantt(placement: Placement, path: str) -> None:
     for d in range(len(names)):
         on = s.device == d
         ax.broken_barh(list(zip(s.start_us[on] / 1e3, (s.finish_us - s.start_us)[on] / 1e3)),
-                       (2 * d, 0.8), facecolors="tab:blue", edgecolor="white", linewidth=0.3)
+                       (2 * d, 0.8), facecolors=gantt.COLOURS["compute"], edgecolor="white",
+                       linewidth=0.3)
         into = s.transfer_dst == d
         ax.broken_barh(list(zip(s.transfer_start_us[into] / 1e3,
                                 (s.transfer_end_us - s.transfer_start_us)[into] / 1e3)),
-                       (2 * d + 0.9, 0.5), facecolors="tab:orange", alpha=0.7)
+                       (2 * d + 0.9, 0.5), facecolors=gantt.COLOURS["incoming transfer"],
+                       alpha=0.7)
     ax.set_yticks([2 * d + 0.4 for d in range(len(names))], names)
-    ax.set_xlabel("ms (blue: compute, orange: incoming transfers)")
+    ax.set_xlabel("simulated time in the step (ms)")
+    gantt.add_legend(ax, ("compute", "incoming transfer"))
     ax.set_title(f"{placement.options['method']} ({placement.devices.link_model} links): "
                  f"makespan {placement.makespan_us / 1e3:.3f} ms", fontsize=9)
     ax.invert_yaxis()
@@ -109,7 +114,7 @@ def main(argv: list[str]) -> None:
           f"({summary['makespan_over_lower_bound']:.3f} x lower bound)")
     for name, ops, peak, limit in zip(placement.devices.names, summary["ops_per_device"],
                                       summary["peak_bytes"], summary["memory_bytes"]):
-        print(f"  {name}: {ops} ops, peak {peak} of {limit} bytes")
+        print(f"  {name}: {ops} ops, peak {format_bytes(peak)} of {format_bytes(limit)}")
     print("wrote " + ", ".join(paths))
 
 

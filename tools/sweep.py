@@ -20,7 +20,7 @@ peak from the allocator's records and its high-water mark; loss and gradients co
 ``overhead_limit`` may be set per command. A planner that cannot meet a budget is recorded
 with its reason (infeasible: the minimum budget; thrash).
 
-Writes under the output directory (default ``bench/results/sweep``): ``sweep.json`` (every
+Writes under the output directory (default ``out/bench/sweep``): ``sweep.json`` (every
 run), ``summary.txt`` (the table printed), ``overhead_vs_budget.png`` and
 ``planned_vs_measured.png``.
 """
@@ -38,11 +38,11 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tools/sweep_configs/ablation.json", "Sweep config (JSON).")
 flags.DEFINE_string("output_dir", None, "Output directory; default: the config's "
-                    "output_dir, else bench/results/sweep.")
+                    "output_dir, else out/bench/sweep.")
 
 __all__ = ["unfold", "run_sweep", "main"]
 
-DEFAULT_OUTPUT_DIR = "bench/results/sweep"
+DEFAULT_OUTPUT_DIR = "out/bench/sweep"
 _COMMAND_TYPES = ("baseline", "dtr")
 
 

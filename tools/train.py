@@ -23,6 +23,7 @@ bounded by ``--cluster_timeout_s``; a missing, killed or stopped worker ends the
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -53,9 +54,11 @@ flags.DEFINE_string("memory_budget", None, "Rematerialize to fit this peak memor
                     "a size such as 300MiB or 1.5GiB (resident variables and feeds included).")
 flags.DEFINE_float("memory_ratio", None, "Rematerialize to fit this fraction of the measured "
                    "baseline peak (alternative to --memory_budget).")
-flags.DEFINE_string("remat_heuristic", "dtr", "Rematerialization planner: a DTR heuristic (dtr, "
-                    "dtr_eq, dtr_local, lru, size, msps, random, belady, offline) or a baseline "
-                    "(checkpoint_all, chen_sqrt_n, chen_greedy, checkmate).")
+flags.DEFINE_string("remat_heuristic", "offline", "Rematerialization planner: offline (the "
+                    "default: plans knowing the whole step, best or tied on every model "
+                    "measured), a DTR heuristic (dtr, dtr_eq, dtr_local, lru, size, msps, "
+                    "random, belady) or a baseline (checkpoint_all, chen_sqrt_n, chen_greedy, "
+                    "checkmate).")
 flags.DEFINE_float("remat_overhead_limit", 2.0, "Give up (thrash) when recomputation would "
                    "exceed this multiple of the step's compute.")
 flags.DEFINE_enum("placement_method", None, ["m_topo", "m_etf", "m_sct"],
@@ -101,9 +104,11 @@ flags.DEFINE_float("cluster_timeout_s", 20.0, "On a gRPC cluster: bound on every
                    "(a step, a traced step, a close); a worker that is killed, stopped or "
                    "missing ends the run with an error within about twice this.",
                    lower_bound=1.0)
-flags.DEFINE_boolean("isolated_network", False, "With --cluster=grpc: run the client and its "
+flags.DEFINE_boolean("isolated_network", None, "With --cluster=grpc: run the client and its "
                      "workers in a private network namespace that has only loopback (unshare "
-                     "--user --net), so no other host can reach the workers' ports.")
+                     "--user --net), so no other host can reach the workers' ports. Default: "
+                     "isolated wherever the platform allows, else a warning; --isolated_network "
+                     "requires it (an error where impossible), --noisolated_network opts out.")
 
 
 def _model_kwargs() -> dict:
@@ -211,7 +216,7 @@ def run_steps(item, steps: int, warmup: int, session_factory=None, between_steps
                 times_ms.append((time.perf_counter() - begin) * 1000)
                 losses.append(float(loss))
         peak, source = allocator.bytes, "allocator"
-        if peak is None:
+        if not peak:  # no statistics kept, or none for a step this small: not a measurement
             peak, source = traced_peak_bytes(session, item.graph, fetches, feeds), "records"
     return {"step_time_ms_median": statistics.median(times_ms), "step_times_ms": times_ms,
             "losses": losses, "peak_bytes": int(peak), "peak_source": source}
@@ -250,44 +255,27 @@ def _place_options() -> dict:
 
 
 def _print_report(result) -> None:
-    """One line per pass: planned against measured."""
+    """One line per pass that changed the step: planned against measured, in the numbers the
+    report files hold (``pipeline.report``)."""
+    from graphfit.pipeline.report import placement_lines, remat_line
     from graphfit.profiler.trace import print_progress
 
-    report = result.report()
-    remat = report["remat"]
-    if remat["changed"]:
-        print_progress(
-            f"remat {remat['method']}: budget {remat['budget_bytes'] / 2**20:.1f} MiB, peak "
-            f"planned {remat['planned_peak_bytes'] / 2**20:.1f} MiB, measured "
-            f"{remat['measured_peak_bytes'] / 2**20:.1f} MiB (baseline "
-            f"{remat['baseline_peak_bytes'] / 2**20:.1f} MiB); overhead planned "
-            f"{remat['planned_overhead']:.2f}x, measured {remat['measured_overhead']:.2f}x; "
-            f"step time against the step under TF's defaults planned "
-            f"{remat.get('planned_step_vs_user', float('nan')):.2f}x, measured "
-            f"{remat.get('overhead_vs_user', float('nan')):.2f}x; "
-            f"{remat['num_recomputes']} recomputations; loss/gradients match: "
-            f"{remat['loss_match'] and remat['gradients_match']}")
-    placement = result.placement
-    if placement is not None:
-        for name in placement["devices"]:
-            print_progress(
-                f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
-                f"{placement['planned_peak_bytes'][name] / 2**20:.1f} MiB, measured "
-                f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.1f} MiB, limit "
-                f"{placement['limit_bytes'][name] / 2**20:.1f} MiB")
-        print_progress(
-            f"placed on {len(placement['devices'])} devices ({placement['target']}) in "
-            f"{placement['plan']['placement_s']:.2f} s; makespan planned "
-            f"{placement['plan']['makespan_us'] / 1000:.2f} ms; loss/gradients equal to 1 "
-            f"device: {placement['equal_to_single_device']}")
+    line = remat_line(result)
+    if line:
+        print_progress(line)
+    for line in placement_lines(result):
+        print_progress(line)
 
 
 def _print_joint(result) -> None:
     """The search's verdict, the two one-pass alternatives, and per device the planned and
     measured peaks side by side."""
+    from graphfit.pipeline.report import placement_lines
+    from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress
 
-    search = result.report()["joint"]["search"]
+    report = result.report()["joint"]
+    search = report["search"]
 
     def line(name, option):
         if not option["fits"]:
@@ -297,19 +285,14 @@ def _print_joint(result) -> None:
                 + (f", remat budget {option['ratio']:.3g} of the peak" if option["ratio"] else "")
                 + (f", {option['method']}" if option["method"] else ", one device"))
 
-    print_progress(f"single device: peak {search['baseline_peak_bytes'] / 2**20:.1f} MiB; "
-                   f"devices hold {min(search['limit_bytes']) / 2**20:.1f} MiB each")
-    for name, key in (("place only", "place_only"), ("remat only", "remat_only"),
-                      ("joint", "winner")):
-        print_progress(line(name, search[key]))
-    placement = result.placement
-    for name in placement["devices"]:
-        print_progress(
-            f"  {name}: {placement['ops_per_device'][name]} ops, peak planned "
-            f"{placement['planned_peak_bytes'][name] / 2**20:.2f} MiB, measured "
-            f"{placement['measured_peak_bytes'].get(name, 0) / 2**20:.2f} MiB, limit "
-            f"{placement['limit_bytes'][name] / 2**20:.2f} MiB")
-    print_progress(f"loss/gradients equal to 1 device: {placement['equal_to_single_device']}")
+    print_progress(f"single device: peak {format_bytes(search['baseline_peak_bytes'])}; "
+                   f"devices hold {format_bytes(min(search['limit_bytes']))} each")
+    for name, option in (("place only", search["place_only"]),
+                         ("remat only", search["remat_only"]),
+                         ("joint", report.get("built", search["winner"]))):
+        print_progress(line(name, option))
+    for line_ in placement_lines(result):
+        print_progress(line_)
 
 
 def _joint_space():
@@ -327,6 +310,7 @@ def _profile(item, report: dict):
     """The step's measured costs: --costgen profiles and saves them; --cost_path alone loads
     them for the placer. ``None`` otherwise (the passes profile what they need)."""
     from graphfit.profiler.profile import Profile
+    from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress, profile_graph
 
     if FLAGS.costgen:
@@ -335,7 +319,7 @@ def _profile(item, report: dict):
                                 num_cpu_devices=FLAGS.num_devices)
         profile.save(FLAGS.cost_path)
         print_progress(f"profile: {profile.coverage:.1%} of {profile.num_graph_ops} step ops "
-                       f"measured, peak {profile.peak_bytes / 2**20:.1f} MiB -> {FLAGS.cost_path}")
+                       f"measured, peak {format_bytes(profile.peak_bytes)} -> {FLAGS.cost_path}")
         report["profile"] = {"path": FLAGS.cost_path, "coverage": profile.coverage,
                              "profiled_peak_bytes": profile.peak_bytes}
         return profile
@@ -421,38 +405,94 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
                                between_steps=check)["step_time_ms_median"]
             report["place"]["single_device_step_time_ms_median"] = single
         run = run_steps(result.item, FLAGS.steps, FLAGS.warmup_steps, target.session, check)
-        # The input as the user runs it: TF's default configuration, one device.
-        run["user_step_time_ms_median"] = run_steps(
-            item, FLAGS.steps, FLAGS.warmup_steps,
-            lambda graph: make_session(graph, config=user_config()),
-            between_steps=check)["step_time_ms_median"]
-        run["overhead_vs_user"] = run["step_time_ms_median"] / run["user_step_time_ms_median"]
-    if placing:  # the shared allocator cannot tell devices apart: report the worst device
-        run["peak_bytes"] = max(result.placement["measured_peak_bytes"].values())
+        run["unchanged"] = result.item is item
+        if not run["unchanged"]:  # else the same graph timed twice: noise, not a result
+            # The input as the user runs it: TF's default configuration, one device.
+            run["user_step_time_ms_median"] = run_steps(
+                item, FLAGS.steps, FLAGS.warmup_steps,
+                lambda graph: make_session(graph, config=user_config()),
+                between_steps=check)["step_time_ms_median"]
+            run["overhead_vs_user"] = (run["step_time_ms_median"]
+                                       / run["user_step_time_ms_median"])
+    _one_measured_peak(run, result)
     return run, result
 
 
-def _isolate_network() -> None:
-    """--isolated_network: re-execute this binary in a loopback-only network namespace."""
-    from graphfit.baechi.netns import NamespaceError, enter_isolated_network
+def _one_measured_peak(run: dict, result) -> None:
+    """The run's peak is the one the passes measured and the report files show (the worst
+    device's when placed: the shared allocator cannot tell devices apart), so one run reports
+    one measured peak; the step's own allocator figure only when no pass measured one."""
+    placement, remat = result.placement, result.report().get("remat", {})
+    if placement and placement.get("measured_peak_bytes"):
+        run["peak_bytes"] = max(placement["measured_peak_bytes"].values())
+        run["peak_source"] = "placement check (worst device)"
+    elif remat.get("changed") and remat.get("measured_peak_bytes") is not None:
+        run["peak_bytes"] = int(remat["measured_peak_bytes"])
+        run["peak_source"] = "remat pass (verified run)"
 
-    if FLAGS.cluster_spec is not None or FLAGS.cluster != "grpc":
+
+def _with_budget_hint(error) -> str:
+    """A budget without a plan, with the smallest budget that has one (searched by the remat
+    pass on this run's step) as the flags to pass, with ``HINT_ROOM`` for the next run's
+    traced orders, as ``pipeline.keras_fit`` suggests it."""
+    from graphfit.profiler.sizes import format_bytes
+    from graphfit.remat.pipeline import HINT_ROOM
+
+    if error.smallest_bytes is None or not error.baseline_bytes:
+        return str(error)
+    room = int(error.smallest_bytes * (1 + HINT_ROOM))
+    return (f"{str(error).rstrip('.')}. The smallest budget with a plan is {format_bytes(error.smallest_bytes)}, "
+            f"{error.smallest_bytes / error.baseline_bytes:.3f} of the peak measured in this "
+            f"run ({format_bytes(error.baseline_bytes)}): pass --memory_budget={room} "
+            f"({HINT_ROOM:.0%} above it, for the next run's traced orders) or "
+            f"--memory_ratio={math.ceil(room / error.baseline_bytes * 100) / 100:.2f}.")
+
+
+def _isolate_network() -> None:
+    """Keep the gRPC workers this binary starts off the network: TF's server listens on every
+    interface without authentication, so with --cluster=grpc the binary re-executes itself in
+    a loopback-only network namespace wherever the platform allows (``baechi.netns``). Where
+    it does not, the run goes on with a warning in this binary's own output (the workers'
+    warnings go to their logs, which nobody reads), unless --isolated_network demanded it."""
+    from graphfit.baechi.netns import NamespaceError, enter_isolated_network, unavailable_reason
+
+    spawns_workers = (FLAGS.cluster_spec is None and FLAGS.cluster == "grpc"
+                      and FLAGS.num_devices > 1)       # as _cluster starts them
+    if FLAGS.isolated_network and not spawns_workers:
         raise ArgumentError("--isolated_network is for workers this binary starts itself "
-                             "(--cluster=grpc); workers of a --cluster_spec run elsewhere")
+                             "(--cluster=grpc --num_devices > 1); workers of a --cluster_spec run "
+                             "elsewhere")
+    if not spawns_workers or FLAGS.isolated_network is False:
+        if spawns_workers:
+            _exposure_warning("--noisolated_network was given")
+        return
+    reason = None if FLAGS.isolated_network else unavailable_reason()
+    if reason is not None:
+        _exposure_warning(reason)
+        return
     try:
         enter_isolated_network([sys.executable, "-m", "graphfit.tools.train", *sys.argv[1:]])
     except NamespaceError as error:
         raise SystemExit(f"--isolated_network: {error}") from error
 
 
+def _exposure_warning(reason: str) -> None:
+    print(f"train: warning: the {FLAGS.num_devices} gRPC workers of this run are not isolated "
+          f"({reason}): TensorFlow's server listens on every network interface with no "
+          "authentication, so any host that reaches their ports can run code as you until the "
+          "run ends. Run on a trusted network or behind a firewall, or use --cluster=local.",
+          file=sys.stderr, flush=True)
+
+
 def main(argv):
     del argv
     check_flags()
-    if FLAGS.isolated_network:
-        _isolate_network()
+    _isolate_network()
     from graphfit import models
     from graphfit.baechi.cluster import ClusterError
     from graphfit.profiler.profile import atomic_write_json
+    from graphfit.remat.pipeline import BudgetError
+    from graphfit.profiler.sizes import format_bytes
     from graphfit.profiler.trace import print_progress
 
     item = models.build(FLAGS.model_name, preset=FLAGS.preset, optimizer=FLAGS.optimizer,
@@ -466,10 +506,14 @@ def main(argv):
         result, optimized = _optimize_and_run(item, profile, report)
     except ClusterError as error:
         raise SystemExit(f"cluster error: {error}") from error
+    except BudgetError as error:
+        raise GraphfitError(_with_budget_hint(error)) from None
     report["run"] = result
+    versus = ("unchanged: no pass rewrote the step" if result["unchanged"] else
+              f"{result['overhead_vs_user']:.2f}x your step under TF's defaults, "
+              f"{result['user_step_time_ms_median']:.1f} ms")
     print(f"{item.name}: step time {result['step_time_ms_median']:.1f} ms (median of "
-          f"{FLAGS.steps}; {result['overhead_vs_user']:.2f}x the input under TF's defaults, "
-          f"{result['user_step_time_ms_median']:.1f} ms), peak memory {result['peak_bytes'] / 2**20:.1f} MiB, "
+          f"{FLAGS.steps}; {versus}), peak memory {format_bytes(result['peak_bytes'])}, "
           f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; "
           f"report {FLAGS.report_path}")
     try:  # after the summary, so a full disk loses no result
