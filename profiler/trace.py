@@ -61,16 +61,22 @@ def print_progress(message: str) -> None:
 
 
 class AllocatorPeak:
-    """The high-water mark of the process's CPU allocator over a ``with`` block.
+    """The process's CPU allocator over a ``with`` block: its high-water mark, and what the
+    block added on top of what was in use when it began.
 
-    ``bytes`` is the peak after the block, or ``None`` if the allocator keeps no statistics
-    (module docstring) or ``enabled`` is false (e.g. a step on a gRPC target, whose workers'
-    allocators are not this process's).
+    ``bytes`` is the peak after the block and ``added_bytes`` the peak minus the bytes in use at
+    its start (``reset_memory_stats`` sets the peak to the bytes in use), or both ``None`` if the
+    allocator keeps no statistics (module docstring) or ``enabled`` is false (e.g. a step on a
+    gRPC target, whose workers' allocators are not this process's). ``added_bytes`` is what a
+    step costs whatever else the process holds (a Keras model's own weights, other sessions'
+    variables): the reading ``remat.measure`` compares steps by.
     """
 
     def __init__(self, enabled: bool = True):
         self.bytes: int | None = None
+        self.added_bytes: int | None = None
         self._kept = enabled
+        self._start = 0
 
     def __enter__(self) -> "AllocatorPeak":
         if self._kept:
@@ -78,11 +84,15 @@ class AllocatorPeak:
                 tf.config.experimental.reset_memory_stats(_ALLOCATOR_DEVICE)
             except ValueError:      # "Cannot reset memory stats": no statistics kept
                 self._kept = False
+            else:
+                self._start = int(
+                    tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["current"])
         return self
 
     def __exit__(self, *exc_info) -> None:
         if self._kept:
             self.bytes = int(tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["peak"])
+            self.added_bytes = self.bytes - self._start
 
 
 def traced_peak_bytes(session: tf.compat.v1.Session, graph: tf.Graph, fetches, feeds) -> int:
@@ -255,7 +265,7 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     fetches = step_fetches(item)
     step_ops = step_operations(item.graph, fetches)
     op_names = {op.name for op in step_ops}
-    runs, step_times, allocator_peaks = [], [], []
+    runs, step_times, allocator_peaks, allocator_added = [], [], [], []
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     session_factory = session_factory or (lambda g: make_session(g, num_cpu_devices, target))
     with session_factory(item.graph) as session:
@@ -265,17 +275,18 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                               enabled=bool(progress)):
             traced = k >= warmup and (k - warmup) % trace_every == 0
             metadata = tf.compat.v1.RunMetadata()
-            with AllocatorPeak(enabled=traced and not target) as allocator:
+            with AllocatorPeak(enabled=k >= warmup and not target) as allocator:
                 begin = time.perf_counter()
                 session.run(fetches, feeds, options=options if traced else None,
                             run_metadata=metadata if traced else None)
                 elapsed_us = (time.perf_counter() - begin) * 1e6
             if k >= warmup and not traced:
                 step_times.append(elapsed_us)
+            if allocator.bytes is not None:
+                allocator_peaks.append(allocator.bytes)
+                allocator_added.append(allocator.added_bytes)
             if traced:
                 runs.append(metadata)
-                if allocator.bytes is not None:
-                    allocator_peaks.append(allocator.bytes)
     costs, devices = profile_from_run_metadata(item.graph, runs, op_names)
     fused = _fused_ops(step_ops, costs)
     costs.update((name, OpCost(compute_us=0.0, output_bytes=[0] * len(
@@ -291,4 +302,5 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                   "warmup": warmup, "trace_every": trace_every,
                   "traced_steps": len(runs), "num_cpu_devices": num_cpu_devices,
                   "fused_ops": len(fused),
-                  "allocator_peak_bytes": allocator_peaks})
+                  "allocator_peak_bytes": allocator_peaks,
+                  "allocator_added_bytes": allocator_added})
