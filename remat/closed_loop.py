@@ -1,11 +1,13 @@
 """The remat pass as a closed loop: plan, rewrite, run, measure, and plan again while the
 measured peak misses the budget.
 
-A plan's peak is a prediction of TF's allocator; this loop holds it to the measurement. The
-rewritten step runs once before it is returned (a step that cannot run is never handed on).
-When verifying, it must compute the user's loss and gradients (``remat.measure``), and its
-measured peak must be within ``PEAK_TOLERANCE`` of the budget; if it is not, the budget the
-planner sees is lowered by the measured excess, ``MAX_PLAN_ROUNDS`` rounds at most. Backward
+A plan's peak is a prediction of TF's allocator; this loop holds it to the measurement (the
+allocator's own reading where TF keeps statistics, ``remat.measure``). The rewritten step runs
+once before it is returned (a step that cannot run is never handed on). When verifying, it
+must compute the user's loss and gradients (``remat.measure``), and what it adds above its
+resident bytes must be within ``PEAK_TOLERANCE`` of what the budget leaves it
+(``meets_budget``); if it is not, the planning budget is lowered by the measured excess,
+``MAX_PLAN_ROUNDS`` rounds at most. Backward
 events may float beside the chain (``remat.side_by_side``) only in a verified step whose
 measured peak stays within its budget and within ``PEAK_TOLERANCE`` of its plan; otherwise the
 strict chain is planned first, for the same budget.
@@ -21,8 +23,8 @@ from graphfit.remat.plan import RematPlan
 __all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "PLAN_ORDERS", "fit_budget", "ratio_budget",
            "meets_budget"]
 
-# A measured peak above budget x (1 + PEAK_TOLERANCE) is a miss; the remat pass then plans
-# again, at most MAX_PLAN_ROUNDS times in all.
+# A step that adds more than (budget - resident) x (1 + PEAK_TOLERANCE) above its resident
+# bytes misses the budget; the remat pass then plans again, MAX_PLAN_ROUNDS times in all.
 PEAK_TOLERANCE = 0.05
 MAX_PLAN_ROUNDS = 3
 # Memory models (traced orders of the step, built once; every round plans on them all)
