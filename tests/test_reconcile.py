@@ -17,6 +17,8 @@ import pytest
 
 from graphfit.remat.measure import GRADIENT_ATOL_OF_MAX, GRADIENT_RTOL, LOSS_RTOL
 
+pytestmark = pytest.mark.slow
+
 
 def _row(model: str, ratio: float) -> dict:
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
