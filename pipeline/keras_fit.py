@@ -110,9 +110,8 @@ def _budget_message(error: BudgetError, memory_budget, memory_ratio,
     asked = (f"memory_ratio={memory_ratio}" if memory_ratio is not None
              else f"memory_budget={memory_budget}")
     if error.minimum_bytes > error.budget_bytes:
-        scale = error.minimum_bytes / error.budget_bytes
         smallest = (f"memory_budget >= {error.minimum_bytes}" if memory_ratio is None else
-                    f"memory_ratio >= {memory_ratio * scale:.2f}")
+                    f"memory_ratio >= {error.smallest_ratio:.2f}")
         return (f"{asked} ({error.budget_bytes / 2**20:.1f} MiB) is below what "
                 f"rematerialization can reach for this model and batch "
                 f"({error.minimum_bytes / 2**20:.1f} MiB): pass {smallest} or a smaller batch")
@@ -132,7 +131,8 @@ def optimize_model(model, x, y, *, memory_budget: int | str | None = None,
         model: a ``keras.Model`` after ``model.compile(optimizer=..., loss=...)``.
         x, y: one batch (numpy arrays or tensors); the step is traced for its shapes.
         memory_budget: bytes (or a size such as ``"300MiB"``) the step may use at its peak;
-            or ``memory_ratio``, a fraction of its measured peak. Neither: no remat.
+            or ``memory_ratio``, a fraction of what the step adds above its resident bytes
+            (``pipeline.optimize``). Neither: no remat.
         remat_heuristic: the planner (``remat.pipeline.PLANNERS``).
         remat_overhead_limit: compute multiple beyond which the planner gives up.
         verify: check the optimized step against the original on a real run (loss,

@@ -60,6 +60,19 @@ def _missed(budget: int, rounds: list[dict]) -> str:
             f"{summary}")
 
 
+def _ratio_error(error: BudgetError, ratio: float, baseline) -> BudgetError:
+    """``error`` in the terms of ``memory_ratio``: of what the user's step adds above its
+    resident bytes, with the smallest ratio the planner's minimum allows (``smallest_ratio``:
+    above 1 when even the user's step, by this ruler, is below what the plan needs)."""
+    resident, added = baseline.resident_bytes, baseline.peak_bytes - baseline.resident_bytes
+    smallest = (error.minimum_bytes - resident) / max(added, 1)
+    return BudgetError(
+        f"memory_ratio={ratio} asks for {resident / 2**20:.1f} MiB resident (variables, "
+        f"optimizer slots, the batch) plus {ratio:g} of the {added / 2**20:.1f} MiB the step "
+        f"adds ({baseline.ruler}); the smallest ratio the planner can reach is {smallest:.2f}: "
+        f"{error}", error.budget_bytes, error.minimum_bytes, smallest)
+
+
 def _floating_kept(measured_bytes: int, planned_bytes: int, budget_bytes: int) -> bool:
     """Whether a step with floating events may stay as measured: within the user's budget
     (not its tolerance: the strict chain is there to fall back on) and within
@@ -120,6 +133,8 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                                             heuristic=heuristic, overhead_limit=overhead_limit,
                                             side_by_side=side_by_side, step_traces=traces)
         except BudgetError as error:
+            if not rounds and budget_ratio is not None:
+                raise _ratio_error(error, budget_ratio, baseline) from error
             if not rounds:
                 raise
             raise BudgetError(f"{_missed(budget, rounds)}; planning again for "

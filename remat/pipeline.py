@@ -41,11 +41,14 @@ PLANNERS = _simulated_planners() + BASELINE_PLANNERS
 
 class BudgetError(GraphfitError, ValueError):
     """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
-    meet (or a lower bound of it), ``budget_bytes`` the one asked for."""
+    meet (or a lower bound of it), ``budget_bytes`` the one asked for; ``smallest_ratio`` the
+    ``memory_ratio`` of ``minimum_bytes`` when a ratio was asked for (else ``None``)."""
 
-    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int):
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int,
+                 smallest_ratio: float | None = None):
         super().__init__(message)
         self.budget_bytes, self.minimum_bytes = int(budget_bytes), int(minimum_bytes)
+        self.smallest_ratio = smallest_ratio
 
 
 def resident_outputs(cost_graph: CostGraph, loss: str | None = None) -> list[int]:
