@@ -97,7 +97,7 @@ def _check_model(model, x, y, memory_budget, memory_ratio) -> None:
                             f"memory_budget={memory_budget!r}, memory_ratio={memory_ratio!r})")
     if memory_ratio is not None and not 0.0 < memory_ratio <= 1.0:
         raise KerasFitError(f"memory_ratio={memory_ratio!r} must lie in (0, 1]: the fraction "
-                            "of the step's measured peak memory it may use")
+                            "of what the step adds above its resident bytes it may use")
     if len(x) != len(y) or len(x) == 0:
         raise KerasFitError(f"x and y must be one non-empty batch of equal length; got "
                             f"{len(x)} and {len(y)} examples")
