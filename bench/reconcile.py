@@ -8,14 +8,15 @@ step is its graph in a session with TF's default configuration, and its rewritte
 a session too (no loss or update comparison beyond the report's).
 
 - the user's step (``classifier_train_step``) is called once to warm up, its variables are
-  saved, and four more calls are read by the allocator (the largest reading, as the report's) (``profiler.trace.AllocatorPeak``: its peak
-  minus its bytes in use when the call began: what the step adds);
-- ``pipeline.optimize(item, memory_ratio=RATIO)``: the report's baseline and measured peak
-  (``ruler``: ``allocator`` or ``records``), its resident bytes, the budget;
-- ``to_callable(result.item)`` from the same saved variables, one warm-up call, variables
-  restored, four calls read by the allocator; then, from the saved variables again, one call of
-  each step: the losses and every variable after the step (for SGD the update is
-  ``lr * gradient``), compared at ``rtol=1e-4``, ``atol=1e-5 * max |reference|``.
+  saved, and four more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
+  peak minus its bytes in use when the call began: what the step adds; the largest of the
+  four, as the report reads its steps);
+- ``pipeline.optimize(item, memory_ratio=RATIO)`` (``--ratio``): the report's baseline and
+  measured peak (``ruler``: ``allocator`` or ``records``), its resident bytes, the budget;
+- ``to_callable(result.item)`` from the saved variables, one warm-up call, four calls read by
+  the allocator; then, from the saved variables again, one call of each step: the losses and
+  every variable after the step (for SGD the update is ``lr * gradient``), compared with the
+  user's: loss relative difference, largest update difference over the largest update.
 
 Peaks are compared on one basis: the resident bytes the report counts from the graph plus what
 the allocator says the step adds (the allocator does not see every resident weight: eager
