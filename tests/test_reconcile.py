@@ -30,8 +30,10 @@ def _row(model: str, ratio: float) -> dict:
 
 
 # Ratios where something is recomputed: above them the graph passes alone fit these small
-# steps, below them no plan does (the zoo resnet planned 0.5 and failed 0.4).
-@pytest.mark.parametrize("model,ratio", [("resnet_small", 0.5), ("keras_resnet_small", 0.5),
+# steps, below them not every run finds a plan (the zoo resnet's baseline varies by 12%
+# between runs, its minimum does not: at 0.5 it missed in 1 of 4 runs, at 0.6 it recomputed
+# 2-6 ops, 2026-12-06).
+@pytest.mark.parametrize("model,ratio", [("resnet_small", 0.6), ("keras_resnet_small", 0.5),
                                          ("keras_transformer_small", 0.7)])
 def test_report_peaks_are_the_allocators_and_the_step_is_the_users(model, ratio):
     row = _row(model, ratio)
