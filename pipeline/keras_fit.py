@@ -180,16 +180,17 @@ def _budget_message(error: BudgetError, memory_budget, memory_ratio,
         return (f"{text}. No budget below the measured peak "
                 f"({format_bytes(error.baseline_bytes or 0)}) has a plan: recomputation "
                 f"cannot shrink this step; use a smaller batch{more}")
-    exact = error.smallest_bytes / error.baseline_bytes
     room = int(error.smallest_bytes * (1 + HINT_ROOM))
-    ratio = math.ceil(room / error.baseline_bytes * 100) / 100
-    return (f"{text}. The smallest budget with a plan is {format_bytes(error.smallest_bytes)}, "
-            f"{exact:.3f} of the peak measured in this call ({format_bytes(error.baseline_bytes)})"
-            f". Pass memory_budget={room} ({HINT_ROOM:.0%} above it: the next call traces "
-            f"the step again, and its plans can need a little more), memory_ratio='min' (the "
-            f"smallest budget with a plan, searched again), or memory_ratio={ratio:.2f} or "
-            f"more (a ratio of a peak that is measured again on each call and moves between "
-            f"calls by up to a tenth)")
+    ratio = math.ceil(error.ratio_of(room) * 100) / 100
+    return (f"{text}. The smallest budget with a plan is {format_bytes(error.smallest_bytes)}: "
+            f"{format_bytes(error.resident_bytes)} resident and "
+            f"{error.ratio_of(error.smallest_bytes):.3f} of what the step adds above it, "
+            f"measured in this call. Pass "
+            f"memory_budget={room} ({HINT_ROOM:.0%} above it: the next call traces the step "
+            f"again, and its plans can need a little more), memory_ratio='min' (the smallest "
+            f"budget with a plan, searched again), or memory_ratio={ratio:.2f} or more (a "
+            f"ratio of what the step adds, measured again on each call; it moves between calls "
+            f"by up to a tenth)")
 
 
 # ``progress=TERMINAL``: progress lines on stderr when it is a terminal, nothing in a log.
@@ -210,7 +211,7 @@ def optimize_model(model, x, y, *, sample_weight: Any = None,
         sample_weight: per-example weights of that batch (``None``: unweighted); the step
             then takes them on every call.
         memory_budget: bytes (or a size such as ``"8GiB"``) the step may use at its peak;
-            or ``memory_ratio``, a fraction of its measured peak, or ``"min"``: the smallest
+            or ``memory_ratio``, a fraction of what the step adds above its resident bytes, or ``"min"``: the smallest
             budget with a plan within ``remat_overhead_limit``. Neither: no remat.
         remat_heuristic: the planner (``remat.pipeline.PLANNERS``; ``offline`` plans best).
         remat_overhead_limit: compute multiple beyond which the planner gives up.

@@ -110,8 +110,11 @@ def optimize(item: GraphItem, *,
         item: the training step (``models.build``, or ``profiler.tf_function`` for Keras).
         memory_budget: bytes the step may use at its peak (resident variables and feeds
             included), an int or a size such as ``"300MiB"``; or ``memory_ratio``, a fraction
-            of its measured peak, or ``"min"``: the smallest budget the planner finds a plan
-            for within ``remat_overhead_limit``. Neither: no remat.
+            of what the user's step adds above its resident bytes (``remat.closed_loop.
+            ratio_budget``), or ``"min"``: the smallest budget the planner finds a plan for
+            within ``remat_overhead_limit``. Peaks are TF's allocator's where it keeps
+            statistics, else its records' (``remat.measure``; the report's ``ruler``). Neither:
+            no remat.
         joint: search the remat budget and the placer together (``pipeline.joint.JointSpace``:
             the ratios and placers to try) instead of taking a budget: the fastest simulated
             option that fits every device of ``devices`` is rewritten and placed by the same

@@ -44,8 +44,9 @@ class BudgetError(GraphfitError, ValueError):
     """No plan fits the budget. ``minimum_bytes`` is the smallest budget the planner could
     meet (or a lower bound of it), ``budget_bytes`` the one asked for; ``cause`` says why in a
     few words (``CAUSES``). Where the remat pass searched for it (``with_smallest_budget``),
-    ``smallest_bytes`` is a budget that does plan (``None``: not even the baseline peak) and
-    ``baseline_bytes`` the measured peak it was searched below."""
+    ``smallest_bytes`` is a budget that does plan (``None``: not even the baseline peak),
+    ``baseline_bytes`` the measured peak it was searched below and ``resident_bytes`` the
+    step's resident bytes (``memory_ratio`` is a fraction of what the step adds above them)."""
 
     def __init__(self, message: str, budget_bytes: int, minimum_bytes: int, cause: str = ""):
         super().__init__(message)
@@ -53,6 +54,14 @@ class BudgetError(GraphfitError, ValueError):
         self.cause = cause
         self.smallest_bytes: int | None = None
         self.baseline_bytes: int | None = None
+        self.resident_bytes = 0
+
+    def ratio_of(self, budget_bytes: int) -> float:
+        """``budget_bytes`` as a ``memory_ratio``: a fraction of what the step adds above its
+        resident bytes (``remat.closed_loop.ratio_budget``), where the smallest budget was
+        searched (``baseline_bytes`` set)."""
+        added = max(self.baseline_bytes - self.resident_bytes, 1)
+        return (budget_bytes - self.resident_bytes) / added
 
 
 # Why a budget has no plan, as ``BudgetError.cause`` says it.
@@ -234,8 +243,8 @@ SMALLEST_BUDGET_STEPS = 6
 
 
 def with_smallest_budget(error: BudgetError, item: GraphItem, models: "list[MemoryModel]",
-                         heuristic: str, overhead_limit: float,
-                         baseline_bytes: int) -> BudgetError:
+                         heuristic: str, overhead_limit: float, baseline_bytes: int,
+                         resident_bytes: int = 0) -> BudgetError:
     """``error`` (no plan for its budget) with the smallest budget that does plan: bisected
     between the planner's lower bound and the measured baseline peak on the first traced
     order of the same step (as traced and reordered), so the answer is a budget a plan was
@@ -245,8 +254,8 @@ def with_smallest_budget(error: BudgetError, item: GraphItem, models: "list[Memo
     budget that plans is returned, never one that did not.
 
     Returns:
-        ``error`` with ``smallest_bytes`` (``None``: not even the baseline plans) and
-        ``baseline_bytes`` set.
+        ``error`` with ``smallest_bytes`` (``None``: not even the baseline plans),
+        ``baseline_bytes`` and ``resident_bytes`` set.
     """
     orders = planning_orders(item, models[:1])
 
@@ -267,6 +276,7 @@ def with_smallest_budget(error: BudgetError, item: GraphItem, models: "list[Memo
             middle = (low + high) // 2
             low, high = (low, middle) if plans(middle) else (middle, high)
     error.smallest_bytes, error.baseline_bytes = high, int(baseline_bytes)
+    error.resident_bytes = int(resident_bytes)
     return error
 
 

@@ -57,9 +57,9 @@ def narrow_item():
 
 
 def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
-    """Make the first ``rounds`` measurements report a peak 10% over the user's budget (the
-    closed loop's trigger, which real runs hit only now and then); returns the planning
-    budgets measured."""
+    """Make the first ``rounds`` measurements report a step that adds 10% more above its
+    resident bytes than the user's budget leaves it (the closed loop's trigger, which real runs
+    hit only now and then); returns the planning budgets measured and the resident bytes."""
     from graphfit.remat import measure
 
     real, planning_budgets = measure.measure_rewrite, []
@@ -68,7 +68,9 @@ def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
         report = real(original, rewritten, plan, **kwargs)
         planning_budgets.append(plan.budget_bytes)
         if len(planning_budgets) <= rounds:
-            report["measured_peak_bytes"] = int(1.1 * planning_budgets[0])
+            resident = report["measured_resident_bytes"]
+            report["measured_peak_bytes"] = int(resident + 1.1 * (planning_budgets[0]
+                                                                  - resident))
         return report
 
     monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
@@ -81,11 +83,14 @@ def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(na
     planning_budgets = _inflate_first_rounds(monkeypatch, rounds=2)
     remat = pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
     first, strict, lower = remat["rounds"]
-    assert first["measured_peak_bytes"] > 1.05 * remat["budget_bytes"]
-    # First the events side by side are taken back, at the same budget; then the budget.
+    resident = first["measured_resident_bytes"]
+    assert first["measured_peak_bytes"] - resident > 1.05 * (remat["budget_bytes"] - resident)
+    # First the events side by side are taken back, at the same budget; then the budget, by
+    # the excess of what the step adds above its resident bytes.
     assert first["side_by_side_events"] > 0 and strict["side_by_side_events"] == 0
     assert planning_budgets[1] == planning_budgets[0]
-    assert planning_budgets[2] == pytest.approx(planning_budgets[0] / 1.1, rel=1e-6)
+    assert planning_budgets[2] == pytest.approx(
+        resident + (planning_budgets[0] - resident) / 1.1, rel=1e-5)
     assert lower["side_by_side_events"] == 0
     assert remat["planning_budget_bytes"] == planning_budgets[2]
     assert remat["measured_peak_bytes"] <= 1.05 * remat["budget_bytes"]

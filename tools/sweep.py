@@ -62,12 +62,15 @@ def unfold(command: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**command, **dict(zip(keys, values))} for values in combos]
 
 
-def _budget_bytes(run: dict[str, Any], baseline_peak_bytes: int) -> int:
+def _budget_bytes(run: dict[str, Any], baseline) -> int:
+    """The run's budget: bytes, or a ratio of what the ``baseline`` step adds above its
+    resident bytes (``remat.closed_loop.ratio_budget``, as ``pipeline.optimize``)."""
     from graphfit.profiler.sizes import parse_bytes
+    from graphfit.remat.closed_loop import ratio_budget
 
     kind = run.get("kind", "ratio")
     if kind == "ratio":
-        return int(float(run["ratio"]) * baseline_peak_bytes)
+        return ratio_budget(baseline.peak_bytes, baseline.resident_bytes, float(run["ratio"]))
     if kind == "fixed":
         budget = run["memory_budget"]
         return parse_bytes(budget) if isinstance(budget, str) else int(budget)
@@ -77,6 +80,7 @@ def _budget_bytes(run: dict[str, Any], baseline_peak_bytes: int) -> int:
 def _run_model(entry: dict[str, Any], defaults: dict[str, Any]) -> list[dict[str, Any]]:
     """All commands of one model entry; the baseline is measured once and shared."""
     from graphfit import models
+    from graphfit.profiler.session import session_config
     from graphfit.profiler.trace import print_progress
     from graphfit.remat.measure import measure_rewrite, measure_step
     from graphfit.remat.pipeline import BudgetError, rematerialize
@@ -86,11 +90,14 @@ def _run_model(entry: dict[str, Any], defaults: dict[str, Any]) -> list[dict[str
     item = models.build(entry["model"], preset=entry.get("preset", "activations"),
                         **entry.get("model_args", {}))
     baseline = measure_step(item, steps=steps, warmup=warmup)
-    memory_model = tf_memory_model(item, baseline.profile)
+    # Plans are made for the project's configuration, which rewritten steps run under.
+    memory_model = tf_memory_model(item, measure_step(item, steps=steps, warmup=warmup,
+                                                      config=session_config()).profile)
     label = entry.get("label", entry["model"])
     common = {"model": label, "config": item.config,
               "baseline_peak_bytes": baseline.peak_bytes,
-              "baseline_allocator_peak_bytes": baseline.allocator_peak_bytes,
+              "baseline_ruler": baseline.ruler,
+              "baseline_resident_bytes": baseline.resident_bytes,
               "baseline_step_time_us": baseline.step_time_us}
     print_progress(f"sweep {label}: baseline peak {baseline.peak_bytes / 2**20:.1f} MiB, "
                    f"step {baseline.step_time_us / 1000:.1f} ms")
@@ -103,7 +110,7 @@ def _run_model(entry: dict[str, Any], defaults: dict[str, Any]) -> list[dict[str
             if run["type"] == "baseline":
                 results.append({**common, "type": "baseline", "status": "ok"})
                 continue
-            budget = _budget_bytes(run, baseline.peak_bytes)
+            budget = _budget_bytes(run, baseline)
             heuristic = run.get("heuristic", "dtr")
             record = {**common, "type": "dtr", "kind": run.get("kind", "ratio"),
                       "heuristic": heuristic, "budget_bytes": budget,

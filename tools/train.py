@@ -441,11 +441,12 @@ def _with_budget_hint(error) -> str:
     if error.smallest_bytes is None or not error.baseline_bytes:
         return str(error)
     room = int(error.smallest_bytes * (1 + HINT_ROOM))
-    return (f"{str(error).rstrip('.')}. The smallest budget with a plan is {format_bytes(error.smallest_bytes)}, "
-            f"{error.smallest_bytes / error.baseline_bytes:.3f} of the peak measured in this "
-            f"run ({format_bytes(error.baseline_bytes)}): pass --memory_budget={room} "
-            f"({HINT_ROOM:.0%} above it, for the next run's traced orders) or "
-            f"--memory_ratio={math.ceil(room / error.baseline_bytes * 100) / 100:.2f}.")
+    return (f"{str(error).rstrip('.')}. The smallest budget with a plan is "
+            f"{format_bytes(error.smallest_bytes)} ({error.ratio_of(error.smallest_bytes):.3f} "
+            f"of what the step adds above its {format_bytes(error.resident_bytes)} resident, "
+            f"measured in this run): pass --memory_budget={room} ({HINT_ROOM:.0%} above it, "
+            f"for the next run's traced orders) or "
+            f"--memory_ratio={math.ceil(error.ratio_of(room) * 100) / 100:.2f}.")
 
 
 def _isolate_network() -> None:

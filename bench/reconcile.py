@@ -1,0 +1,243 @@
+"""Benchmark "reconcile": the report's peaks against TF's own allocator, and the rewritten
+step's loss and update against the user's own ``tf.function`` step.
+
+Per model, in a fresh process (``--model NAME`` runs one and prints its JSON row; without it,
+each model of ``BENCH_MODELS`` runs in a subprocess of its own and the rows go to
+``bench/results/reconcile.json``). A zoo model has no ``tf.function`` of a user's: its user's
+step is its graph in a session with TF's default configuration, and its rewritten step runs in
+a session too (no loss or update comparison beyond the report's).
+
+- the user's step (``classifier_train_step``) is called once to warm up, its variables are
+  saved, and four more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
+  peak minus its bytes in use when the call began: what the step adds; the largest of the
+  four, as the report reads its steps);
+- ``pipeline.optimize(item, memory_ratio=RATIO)`` (``--ratio``): the report's baseline and
+  measured peak (``ruler``: ``allocator`` or ``records``), its resident bytes, the budget;
+- ``to_callable(result.item)`` from the saved variables, one warm-up call, four calls read by
+  the allocator; then, from the saved variables again, one call of each step: the losses and
+  every variable after the step (for SGD the update is ``lr * gradient``), compared with the
+  user's: loss relative difference, largest update difference over the largest update.
+
+Peaks are compared on one basis: the resident bytes the report counts from the graph plus what
+the allocator says the step adds (the allocator does not see every resident weight: eager
+tensors that alias host buffers bypass it).
+
+    python -m graphfit.bench.reconcile [--model keras_resnet50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from graphfit.profiler.profile import atomic_write_json
+
+__all__ = ["MODELS", "ZOO_MODELS", "BENCH_MODELS", "RATIO", "reconcile", "main"]
+
+RATIO = 0.5
+RESULT_PATH = "bench/results/reconcile.json"
+
+
+def _convnext(keras, x, classes, widths=(32, 64), blocks=2):
+    """A ConvNeXt-style net: patchify stem, blocks of depthwise 7x7, LayerNormalization, an
+    inverted-bottleneck MLP with GELU, residual adds."""
+    layers = keras.layers
+    x = layers.LayerNormalization()(layers.Conv2D(widths[0], 4, strides=4)(x))
+    for stage, width in enumerate(widths):
+        if stage:
+            x = layers.Conv2D(width, 2, strides=2)(layers.LayerNormalization()(x))
+        for _ in range(blocks):
+            y = layers.DepthwiseConv2D(7, padding="same")(x)
+            y = layers.Dense(4 * width, activation="gelu")(layers.LayerNormalization()(y))
+            x = layers.Add()([x, layers.Dense(width)(y)])
+    return layers.Dense(classes)(layers.GlobalAveragePooling2D()(layers.LayerNormalization()(x)))
+
+
+def _transformer(keras, x, classes, heads=4, blocks=2):
+    layers = keras.layers
+    width = x.shape[-1]
+    for _ in range(blocks):
+        y = layers.MultiHeadAttention(heads, width // heads)(x, x)
+        x = layers.LayerNormalization()(layers.Add()([x, y]))
+        y = layers.Dense(width)(layers.Dense(4 * width, activation="gelu")(x))
+        x = layers.LayerNormalization()(layers.Add()([x, y]))
+    return layers.Dense(classes)(layers.GlobalAveragePooling1D()(x))
+
+
+def _resnet50(keras, x, classes):
+    return keras.applications.ResNet50(weights=None, input_tensor=x, classes=classes,
+                                       classifier_activation=None).output
+
+
+def _resnet_small(keras, x, classes):
+    """The Keras ResNet-style step of ``bench.reach`` (BatchNorm, residual adds)."""
+    from graphfit.bench.reach import _resnet
+    return _resnet(keras, x, classes, widths=(16, 32), blocks=1)
+
+
+# Keras models: name -> (layers, input shape, batch, optimizer). The ``_small`` ones are the
+# suite's (tests/test_reconcile.py): seconds each.
+MODELS = {
+    "keras_resnet50": (_resnet50, (64, 64, 3), 8, "sgd"),
+    "keras_convnext": (_convnext, (64, 64, 3), 8, "sgd"),
+    "keras_transformer": (_transformer, (64, 64), 8, "sgd"),
+    "keras_resnet_small": (_resnet_small, (16, 16, 3), 8, "sgd"),
+    "keras_transformer_small": (lambda keras, x, classes: _transformer(keras, x, classes,
+                                                                       blocks=1),
+                                (32, 64), 8, "sgd"),
+}
+# Zoo models (v1 graphs, no tf.function of the user's): name -> (zoo name, preset, knobs).
+ZOO_MODELS = {
+    "resnet/activations": ("resnet", "activations", {}),
+    "resnet_small": ("resnet", "tiny", {"batch_size": 32}),
+}
+
+
+def _allocator_added(call, calls: int = 4) -> int | None:
+    """The largest of ``calls`` allocator readings (``remat.measure.measure_step`` reads its
+    steps alike: the peak varies with the order the inter-op threads run the ops, 79-97 MB
+    over 12 calls of ``ResNet50``'s step)."""
+    from graphfit.profiler.trace import AllocatorPeak
+
+    readings = []
+    for _ in range(calls):
+        with AllocatorPeak() as allocator:
+            call()
+        readings.append(allocator.added_bytes)
+    return None if None in readings else max(readings)
+
+
+def _keras_steps(name: str):
+    """(item, a call of the user's step on the batch, the variables, the batch)."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    from graphfit.profiler.tf_function import classifier_train_step, graph_item_from_function
+
+    layers, shape, batch, optimizer_name = MODELS[name]
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape)
+    model = keras.Model(inputs, layers(keras, inputs, 10))
+    optimizer = (keras.optimizers.SGD(1e-2) if optimizer_name == "sgd"
+                 else keras.optimizers.Adam(1e-3))
+    x = np.random.default_rng(0).standard_normal((batch, *shape), dtype=np.float32)
+    y = np.arange(batch) % 10
+    user_step = classifier_train_step(model, optimizer)
+    user_step(x, y)
+    variables = list(model.variables) + list(optimizer.variables)
+    item = graph_item_from_function(user_step, x, y, name=name)
+    return item, lambda: user_step(x, y), variables, (x, y)
+
+
+def _session_step(item):
+    """A call of ``item``'s step in an open session of the configuration it runs with (TF's
+    defaults for the user's v1 graph), initialised once; the session stays open."""
+    from graphfit.profiler.session import make_session, step_config
+
+    session = make_session(item.graph, config=step_config(item))
+    session.run(item.init_op)
+    fetches, feeds = [item.train_op, item.loss], item.feed_dict()
+    return lambda: session.run(fetches, feeds)[1]
+
+
+def reconcile(name: str, ratio: float = RATIO) -> dict:
+    """One model's row (module docstring)."""
+    from graphfit import models
+    from graphfit.pipeline import optimize
+    from graphfit.profiler.session import onednn_enabled
+    from graphfit.profiler.tf_function import to_callable
+
+    if name in ZOO_MODELS:
+        zoo, preset, knobs = ZOO_MODELS[name]
+        item, variables = models.build(zoo, preset=preset, **knobs), []
+        user_step = _session_step(item)
+    else:
+        item, user_step, variables, batch = _keras_steps(name)
+    saved = [v.numpy() for v in variables]
+
+    def restore():
+        for v, value in zip(variables, saved):
+            v.assign(value)
+
+    user_step()
+    user_added = _allocator_added(user_step)
+    result = optimize(item, memory_ratio=ratio, progress=None)
+    remat = result.report()["remat"]
+    if variables:
+        rewritten = to_callable(result.item, item)
+        step = lambda: rewritten(*batch)    # noqa: E731
+    else:
+        step = _session_step(result.item)
+    restore()
+    step()
+    rewritten_added = _allocator_added(step)
+    row = {}
+    if variables:       # the user's own step against the rewritten one, from the same weights
+        losses, after = {}, {}
+        for label, call in (("user", user_step), ("rewritten", step)):
+            restore()
+            losses[label] = float(call())
+            after[label] = [v.numpy() for v in variables]
+        update = max(float(np.max(np.abs(a - s))) for a, s in zip(after["user"], saved))
+        row = {"loss_user": losses["user"], "loss_rewritten": losses["rewritten"],
+               "loss_relative_diff": abs(losses["rewritten"] - losses["user"])
+               / abs(losses["user"]),
+               # SGD: the update is lr * gradient; their largest difference over the largest.
+               "max_update_diff_over_max_update": max(
+                   float(np.max(np.abs(a - b)))
+                   for a, b in zip(after["rewritten"], after["user"])) / update}
+    resident = remat["baseline_resident_bytes"]
+    budget = remat["budget_bytes"]
+    user_peak = None if user_added is None else resident + user_added
+    rewritten_peak = None if rewritten_added is None else (
+        remat["measured_resident_bytes"] + rewritten_added)
+    return {
+        "model": name, "onednn": onednn_enabled(), "ratio": ratio, "ruler": remat["ruler"],
+        "resident_bytes": resident,
+        "report_baseline_bytes": remat["baseline_peak_bytes"],
+        "report_baseline_records_bytes": remat["baseline_records_peak_bytes"],
+        "allocator_user_step_bytes": user_peak,
+        "baseline_over_user": (None if user_peak is None
+                               else remat["baseline_peak_bytes"] / user_peak),
+        "budget_bytes": budget,
+        "report_measured_bytes": remat["measured_peak_bytes"],
+        "allocator_rewritten_step_bytes": rewritten_peak,
+        "rewritten_over_budget": None if rewritten_peak is None else rewritten_peak / budget,
+        "rewritten_added_over_budget_added": (
+            None if rewritten_added is None else rewritten_added / (budget - resident)),
+        **row,
+        "report_gradients_match": remat["gradients_match"],
+        "report_max_relative_gradient_diff": remat["max_relative_gradient_diff"],
+        "num_recomputes": remat["num_recomputes"],
+    }
+
+
+BENCH_MODELS = ("keras_resnet50", "keras_convnext", "keras_transformer", "resnet/activations")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted([*MODELS, *ZOO_MODELS]))
+    parser.add_argument("--ratio", type=float, default=RATIO)
+    args = parser.parse_args(argv)
+    if args.model:
+        print(json.dumps(reconcile(args.model, args.ratio)))
+        return
+    rows = []
+    for name in BENCH_MODELS:
+        run = subprocess.run([sys.executable, "-m", "graphfit.bench.reconcile", "--model", name,
+                              "--ratio", str(args.ratio)],
+                             capture_output=True, text=True)
+        rows.append(json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
+                    else {"model": name, "error": run.stderr.strip().splitlines()[-1:]})
+        print(json.dumps(rows[-1]), flush=True)
+    atomic_write_json(RESULT_PATH, rows)
+
+
+if __name__ == "__main__":
+    main()
