@@ -12,7 +12,8 @@ less leaves more for the placer to spread, at the price of transfers or of not f
    and of that order with its backward pass reordered, each plan filled into the room TF's
    peak leaves below the budget, and keep the cheaper (``remat.pipeline.cheapest_plan``, as
    ``remat.rematerialize`` plans);
-2. unroll the plan into the graph the rewritten step will run (``remat.recompute_graph``);
+2. unroll the plan into the graph the rewritten step will run (``remat.recompute_graph``, with
+   the buffers TF hands to a sole reader written in: ``take_over_buffers``);
 3. place it with each placer (``baechi.place``: m-ETF, m-TOPO, ...) under every device's limit;
    the placer's liveness model replays each device's memory over the simulated step;
 4. keep the option with the shortest simulated makespan that fits every device; then bisect
@@ -48,7 +49,8 @@ from graphfit.profiler.progress import progress_bar
 from graphfit.profiler.sizes import format_bytes
 from graphfit.remat.pipeline import BudgetError, cheapest_plan, planning_orders
 from graphfit.remat.plan import RematPlan
-from graphfit.remat.recompute_graph import RecomputeGraph, clone_name, recompute_graph
+from graphfit.remat.recompute_graph import (RecomputeGraph, clone_name, recompute_graph,
+                                            take_over_buffers)
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_METHODS", "Option", "JointSearch", "JointSpace", "search",
            "joint_search", "build_option"]
@@ -213,7 +215,8 @@ def _joint_options(models, devices, baseline_peak_bytes, ratio, methods, heurist
             option.reason = options[0].reason
         return options
     model = options[0].model
-    unrolled = recompute_graph(model.plan_graph, options[0].plan, loss)
+    unrolled = take_over_buffers(recompute_graph(model.plan_graph, options[0].plan, loss),
+                                 model.plan_graph, model.reuses)
     for option in options:
         option.model, option.plan, option.unrolled = model, options[0].plan, unrolled
         option.remat_peak_bytes, option.overhead = options[0].remat_peak_bytes, options[0].overhead

@@ -20,7 +20,8 @@ from graphfit.profiler.sizes import format_bytes
 from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.closed_loop import PEAK_TOLERANCE
 from graphfit.remat.pipeline import plan_for_budget
-from graphfit.remat.recompute_graph import recompute_graph
+from graphfit.remat.plan import Event, RematPlan
+from graphfit.remat.recompute_graph import RecomputeGraph, recompute_graph, take_over_buffers
 from graphfit.remat.tf_memory import MemoryModel
 
 MB = 1 << 20
@@ -74,6 +75,32 @@ def test_unrolled_plan_on_one_device_is_the_plan(chain):
     # Ops without compute take MIN_DURATION_US in the simulator.
     assert schedule.makespan_us == pytest.approx(
         plan.compute_us, abs=MIN_DURATION_US * unrolled.graph.num_ops)
+
+
+def test_a_sole_reader_takes_its_input_buffer_over_on_the_producers_device():
+    """The backward pass reads the clone ``n/remat_1``, so ``n``'s only reader ``r`` takes its
+    buffer over (TF's element-wise forwarding): one buffer, charged to ``n``'s device while
+    ``r``'s readers run. ``g`` takes nothing over: no reuse lists it."""
+    planned = CostGraph.from_ops([
+        OpSpec("x", "Placeholder", output_bytes=[0], persistent_bytes=MB),
+        OpSpec("n", "FusedBatchNormV3", inputs=[("x", 0)], output_bytes=[MB, 64]),
+        OpSpec("r", "Relu", inputs=[("n", 0)], output_bytes=[MB]),
+        OpSpec("g", "ReluGrad", inputs=[("r", 0), ("n", 0)], output_bytes=[MB])])
+    events = [Event("compute", 0), Event("compute", 1), Event("compute", 2), Event("free", 1),
+              Event("recompute", 1), Event("compute", 3)]
+    plan = RematPlan(events, 3 * MB, 3 * MB, 1, 4, "x")
+    unrolled = recompute_graph(planned, plan)
+    taken = take_over_buffers(unrolled, planned, {2: [1]})
+    graph = taken.graph
+    assert graph.output_bytes(graph.index["r"]).tolist() == [0]
+    assert ("n", 0) in [(graph.names[graph.tensor_producer[t]], int(graph.tensor_port[t]))
+                        for t in graph.op_inputs(graph.index["g"])]
+    assert graph.colocation_groups[graph.index["r"]] == graph.colocation_groups[graph.index["n"]]
+    assert graph.output_bytes(graph.index["g"]).tolist() == [MB]
+    assert dict(zip(graph.names, taken.source)) == dict(zip(unrolled.graph.names,
+                                                             unrolled.source))
+    # without a listed reuse the unrolled graph is returned as it is
+    assert take_over_buffers(unrolled, planned, {}) is unrolled
 
 
 def test_search_fits_where_neither_one_pass_option_does(chain):
