@@ -157,36 +157,42 @@ def recompute_graph(graph: CostGraph, plan: RematPlan, loss: str | None = None
 
 def take_over_buffers(unrolled: RecomputeGraph, planned: CostGraph,
                       reuses: Mapping[int, Sequence[int]]) -> RecomputeGraph:
-    """``unrolled`` with each buffer TF hands from a tensor to its only reader written in.
+    """``unrolled`` with each buffer TF hands from a tensor to its last reader written in.
 
-    TF's element-wise kernels write their output into an input's buffer when they are its
-    last reader; ``reuses`` (``remat.tf_memory.MemoryModel.reuses``: per node of ``planned``,
-    the tensors of ``planned`` whose buffer it took over in the traced step) names the pairs.
-    In the unrolled step such a reader is often the tensor's only one (the backward pass
-    reads a clone), and TF takes the buffer over: it stays the producer's allocation, charged
-    to the producer's device until the reader's output dies. Counted as a new buffer on the
-    reader's device, the pair is held twice while the reader runs and on the wrong device
-    after it (the zoo resnet on four 10.5 MiB devices: 10.34 MiB planned, 8.35 MiB measured on
-    one of them, 2026-12-06). So the reader's output becomes a view of the tensor, as
-    ``remat.tf_memory`` writes identities: 0 bytes, every reader of the view also reads the
-    tensor, and the reader joins the producer's colocation group (a take-over across devices
-    is nothing to plan on). A reader of several outputs, or one whose output is not the
-    tensor's size, is left as it is.
+    TF's element-wise kernels write their output into an input's buffer when they hold its
+    last reference; ``reuses`` (``remat.tf_memory.MemoryModel.reuses``: per node of
+    ``planned``, the tensors of ``planned`` whose buffer it took over in the traced step)
+    names the pairs. In the unrolled step TF does the same wherever the reader runs after
+    every other reader of the tensor: it is the only one left (the backward pass reads a
+    clone), or every other reader is its ancestor (the rewrite pins the backward pass in plan
+    order). The buffer stays the producer's allocation, charged to the producer's device
+    until the reader's output dies. Counted as a new buffer on the reader's device, the pair
+    is held twice while the reader runs and on the wrong device after it (the zoo resnet on
+    four 10.5 MiB devices: 10.34 MiB planned, 8.35 MiB measured on one of them; its residual
+    gradient is handed along four ``AddN``s, 2026-12-06). So the reader's output becomes a
+    view of the tensor, as ``remat.tf_memory`` writes identities: 0 bytes, every reader of
+    the view also reads the tensor, and the reader joins the producer's colocation group (a
+    take-over across devices is nothing to plan on). A reader of several outputs, or one
+    whose output is not the tensor's size, is left as it is.
     """
     import networkx as nx
 
     graph = unrolled.graph
     specs = graph.to_specs()
-    readers = collections.Counter(source for spec in specs for source in set(spec.inputs))
+    readers: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+    for k, spec in enumerate(specs):
+        for source in set(spec.inputs):
+            readers[source].append(k)
     views: dict[tuple[str, int], tuple[str, int]] = {}
-    for spec, (node, _) in zip(specs, unrolled.source):
+    for k, (spec, (node, _)) in enumerate(zip(specs, unrolled.source)):
         wanted = {(int(planned.tensor_producer[t]), int(planned.tensor_port[t]))
                   for t in reuses.get(node, ())}
         for producer, port in spec.inputs:
             p = graph.index[producer]
-            if ((unrolled.source[p][0], port) in wanted and readers[(producer, port)] == 1
-                    and len(spec.output_bytes) == 1 and not spec.fetched_outputs
-                    and spec.output_bytes[0] == graph.output_bytes(p)[port]):
+            if ((unrolled.source[p][0], port) in wanted and len(spec.output_bytes) == 1
+                    and not spec.fetched_outputs
+                    and spec.output_bytes[0] == graph.output_bytes(p)[port]
+                    and _runs_last(graph, k, readers[(producer, port)])):
                 views[(spec.name, 0)] = (producer, port)
                 break
     if not views:
@@ -208,3 +214,20 @@ def take_over_buffers(unrolled: RecomputeGraph, planned: CostGraph,
     source_of = dict(zip(graph.names, unrolled.source))
     taken = CostGraph.from_ops(specs)
     return RecomputeGraph(taken, [source_of[name] for name in taken.names])
+
+
+def _runs_last(graph: CostGraph, reader: int, readers: Sequence[int]) -> bool:
+    """Whether every op of ``readers`` other than ``reader`` is an ancestor of ``reader``."""
+    others = set(readers) - {reader}
+    if not others:
+        return True
+    if max(others) > reader:        # node ids are a topological order
+        return False
+    seen, stack = {reader}, [reader]
+    while stack and others:
+        for p in graph.predecessors(stack.pop()):
+            if p not in seen:
+                seen.add(p)
+                others.discard(p)
+                stack.append(p)
+    return not others

@@ -77,26 +77,37 @@ def test_unrolled_plan_on_one_device_is_the_plan(chain):
         plan.compute_us, abs=MIN_DURATION_US * unrolled.graph.num_ops)
 
 
-def test_a_sole_reader_takes_its_input_buffer_over_on_the_producers_device():
+def test_a_last_reader_takes_its_input_buffer_over_on_the_producers_device():
     """The backward pass reads the clone ``n/remat_1``, so ``n``'s only reader ``r`` takes its
     buffer over (TF's element-wise forwarding): one buffer, charged to ``n``'s device while
-    ``r``'s readers run. ``g`` takes nothing over: no reuse lists it."""
+    ``r``'s readers run. ``a`` runs after ``g``, the other reader of ``r``'s output: it takes
+    that buffer (``n``'s) over too. ``b`` reads a tensor ``c`` reads after it: no."""
     planned = CostGraph.from_ops([
         OpSpec("x", "Placeholder", output_bytes=[0], persistent_bytes=MB),
         OpSpec("n", "FusedBatchNormV3", inputs=[("x", 0)], output_bytes=[MB, 64]),
         OpSpec("r", "Relu", inputs=[("n", 0)], output_bytes=[MB]),
-        OpSpec("g", "ReluGrad", inputs=[("r", 0), ("n", 0)], output_bytes=[MB])])
+        OpSpec("g", "ReluGrad", inputs=[("r", 0), ("n", 0)], output_bytes=[MB]),
+        OpSpec("a", "AddN", inputs=[("g", 0), ("r", 0)], output_bytes=[MB]),
+        OpSpec("b", "Neg", inputs=[("a", 0)], output_bytes=[MB]),
+        OpSpec("c", "Mul", inputs=[("a", 0), ("b", 0)], output_bytes=[MB])])
     events = [Event("compute", 0), Event("compute", 1), Event("compute", 2), Event("free", 1),
-              Event("recompute", 1), Event("compute", 3)]
+              Event("recompute", 1)] + [Event("compute", i) for i in (3, 4, 5, 6)]
     plan = RematPlan(events, 3 * MB, 3 * MB, 1, 4, "x")
     unrolled = recompute_graph(planned, plan)
-    taken = take_over_buffers(unrolled, planned, {2: [1]})
+    taken = take_over_buffers(unrolled, planned, {2: [1], 4: [3], 5: [5]})   # tensor ids
     graph = taken.graph
+
+    def inputs(name):
+        return {(graph.names[graph.tensor_producer[t]], int(graph.tensor_port[t]))
+                for t in graph.op_inputs(graph.index[name])}
+
     assert graph.output_bytes(graph.index["r"]).tolist() == [0]
-    assert ("n", 0) in [(graph.names[graph.tensor_producer[t]], int(graph.tensor_port[t]))
-                        for t in graph.op_inputs(graph.index["g"])]
-    assert graph.colocation_groups[graph.index["r"]] == graph.colocation_groups[graph.index["n"]]
-    assert graph.output_bytes(graph.index["g"]).tolist() == [MB]
+    assert graph.output_bytes(graph.index["a"]).tolist() == [0]
+    assert graph.output_bytes(graph.index["b"]).tolist() == [MB]
+    assert ("n", 0) in inputs("g") and ("n", 0) in inputs("b") and ("n", 0) in inputs("c")
+    group = graph.colocation_groups[graph.index["n"]]
+    assert graph.colocation_groups[graph.index["r"]] == graph.colocation_groups[
+        graph.index["a"]] == group != graph.colocation_groups[graph.index["b"]]
     assert dict(zip(graph.names, taken.source)) == dict(zip(unrolled.graph.names,
                                                              unrolled.source))
     # without a listed reuse the unrolled graph is returned as it is

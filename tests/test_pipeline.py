@@ -10,8 +10,10 @@ from graphfit.baechi.run import local_target
 
 @pytest.fixture(scope="module")
 def item():
-    # Activations (batch x width x depth) outweigh the weights, as in real training.
-    return models.build("mlp", preset="default", batch_size=2048, depth=12, width=512)
+    # Activations (batch x width x depth) outweigh the weights, as in real training; narrow
+    # enough (2 MiB a layer) that the closed loop's rounds, each planning, rewriting and
+    # measuring, stay quick.
+    return models.build("mlp", preset="default", batch_size=2048, depth=6, width=256)
 
 
 def test_remat_then_place_keeps_the_step_and_meets_the_plan(item):
@@ -49,13 +51,6 @@ def test_unknown_pass_and_conflicting_budgets_are_errors(item):
         pipeline.optimize(item, memory_budget=1 << 20, memory_ratio=0.5, progress=None)
 
 
-@pytest.fixture(scope="module")
-def narrow_item():
-    # The closed loop's rounds each plan, rewrite and measure: a narrower step (weights still
-    # small beside the activations) keeps them quick.
-    return models.build("mlp", preset="default", batch_size=2048, depth=12, width=256)
-
-
 def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
     """Make the first ``rounds`` measurements report a step that adds 10% more above its
     resident bytes than the user's budget leaves it (the closed loop's trigger, which real runs
@@ -78,10 +73,10 @@ def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(narrow_item,
+def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(item,
                                                                               monkeypatch):
     planning_budgets = _inflate_first_rounds(monkeypatch, rounds=2)
-    remat = pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
+    remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     first, strict, lower = remat["rounds"]
     resident = first["measured_resident_bytes"]
     assert first["measured_peak_bytes"] - resident > 1.05 * (remat["budget_bytes"] - resident)
@@ -97,7 +92,7 @@ def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(na
 
 
 @pytest.mark.slow
-def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(narrow_item, monkeypatch):
+def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(item, monkeypatch):
     from graphfit.remat import measure
 
     real = measure.measure_rewrite
@@ -108,7 +103,7 @@ def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(narrow_item
         return report
 
     monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
-    remat = pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None).report()["remat"]
+    remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     assert remat["measured_peak_bytes"] > remat["planned_peak_bytes"]
     assert len(remat["rounds"]) == 1 and remat["side_by_side_events"] > 0
 
@@ -120,7 +115,7 @@ def test_without_verifying_the_backward_pass_is_a_strict_chain(item):
 
 
 @pytest.mark.slow
-def test_a_budget_missed_every_round_fails_with_the_numbers(narrow_item, monkeypatch):
+def test_a_budget_missed_every_round_fails_with_the_numbers(item, monkeypatch):
     from graphfit.remat.closed_loop import MAX_PLAN_ROUNDS
     from graphfit.remat.pipeline import BudgetError
 
@@ -128,7 +123,7 @@ def test_a_budget_missed_every_round_fails_with_the_numbers(narrow_item, monkeyp
     # Either every round is measured over, or planning for the lowered budget fails: both
     # name the rounds' numbers.
     with pytest.raises(BudgetError, match=r"after \d rounds: planned for"):
-        pipeline.optimize(narrow_item, memory_ratio=0.7, progress=None)
+        pipeline.optimize(item, memory_ratio=0.7, progress=None)
 
 
 def test_a_step_that_cannot_run_is_never_returned():
@@ -151,17 +146,17 @@ def test_a_step_that_cannot_run_is_never_returned():
         run_once(broken, "rematerialized", make_session)
 
 
-def test_the_plan_is_the_cheapest_of_several_traced_orders(narrow_item):
+def test_the_plan_is_the_cheapest_of_several_traced_orders(item):
     from graphfit.errors import ArgumentError
     from graphfit.remat.measure import measure_step
     from graphfit.remat.pipeline import rematerialize
     from graphfit.remat.tf_memory import step_item, tf_memory_model
 
-    step = step_item(narrow_item)
+    step = step_item(item)
     profile = measure_step(step, steps=2, warmup=1).profile
     # Models built once: ``optimize`` plans every round on the same ones.
     models = [tf_memory_model(step, profile) for _ in range(3)]
-    _, plan = rematerialize(step, models, budget_bytes=int(0.7 * profile.peak_bytes),
+    _, plan = rematerialize(step, models, budget_bytes=int(0.8 * profile.peak_bytes),
                             heuristic="offline")
     overheads = plan.stats["orders"]     # each model as traced, then reordered
     assert len(overheads) == 6 and any(o is not None for o in overheads)
