@@ -12,7 +12,9 @@
 So each binary checks every flag at the start of ``main`` (raising ``errors.ArgumentError``
 naming the flag) and lets library errors pass through.
 
-``run`` also imports TensorFlow quietly (``quiet_tensorflow``) before the binary's ``main``.
+``run`` also imports TensorFlow quietly (``quiet_tensorflow``) before the binary's ``main``,
+unless the binary never runs TF (``place``) or imports it itself after the checks that need
+no TF (``worker``): TF's import takes 5-9 s on these machines.
 """
 
 from __future__ import annotations
@@ -93,14 +95,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-    """Parse flags, run ``main`` and map user errors to one paragraph and exit status 2."""
+def run(main: Callable[[list[str]], None], tensorflow: bool = True) -> None:
+    """Parse flags, import TensorFlow quietly unless ``tensorflow`` is false, run ``main``;
+    a user error is one paragraph and exit status 2."""
 
     def guarded(argv: list[str]) -> None:
         try:
+            if tensorflow:
+                quiet_tensorflow()
             main(argv)
         except GraphfitError as error:
             fail(str(error))
 
-    quiet_tensorflow()
     app.run(guarded, flags_parser=_parse_flags)

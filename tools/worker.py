@@ -41,6 +41,7 @@ flags.mark_flags_as_required(["cluster_spec", "task"])
 def main(argv: list[str]) -> None:
     del argv  # tools.cli refuses stray arguments
     check_number(_LIFETIME_S.value, "--lifetime_s", minimum=1, maximum=MAX_LIFETIME_S)
+    cli.quiet_tensorflow()      # after the check that needs no TF: a bad lifetime fails at once
     from graphfit.baechi.cluster import (ClusterError, Task, exposure_warning,
                                          parse_cluster_spec, serve_worker)
     from graphfit.baechi.netns import network_interfaces
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> None:
 
 def run():
     """Console-script entry point."""
-    cli.run(main)
+    cli.run(main, tensorflow=False)
 
 
 if __name__ == "__main__":
