@@ -4,7 +4,8 @@ For zoo models (``default`` and ``activations`` presets) and Keras 3 models writ
 stock Keras layers (a ResNet-style conv net with BatchNorm and residual adds, a MobileNet-style
 depthwise net, a DenseNet-style net of concatenations, LSTM and GRU classifiers with
 ``unroll=True`` and with Keras's default ``unroll=False``, an attention block), and
-``keras.applications`` models (ResNet50, MobileNetV2; SGD), at shapes this 2-core machine runs
+``keras.applications`` models (ResNet50, MobileNetV2, ConvNeXtTiny, DenseNet121,
+EfficientNetB0; SGD), at shapes this 2-core machine runs
 in minutes:
 
 - ``baseline_peak_bytes``: the step's measured peak (allocator records, as ``remat.measure``);
@@ -191,6 +192,10 @@ MODELS: dict[str, Callable] = {
     # (profiler.inline_functions) and run on the depthwise kernels.
     "keras_convnext_tiny": _keras("keras_convnext_tiny", _application("ConvNeXtTiny"),
                                   (64, 64, 3), 4, optimizer="sgd"),
+    "keras_densenet121": _keras("keras_densenet121", _application("DenseNet121"),
+                                (64, 64, 3), 8, optimizer="sgd"),
+    "keras_efficientnetb0": _keras("keras_efficientnetb0", _application("EfficientNetB0"),
+                                   (96, 96, 3), 8, optimizer="sgd"),
 }
 QUICK_MODELS = ("mlp/activations", "keras_lstm", "keras_gru", "keras_lstm_loop",
                 "keras_gru_loop", "keras_densenet", "keras_resnet50")
