@@ -83,7 +83,7 @@ def _planned(plan_graph, peak_bytes: int, outputs) -> dict:
 
 
 def _run(item, ratio: float) -> dict:
-    from graphfit import baechi
+    from graphfit import pipeline
 
     try:
         report = pipeline.optimize(item, memory_ratio=ratio, remat_heuristic="offline",

@@ -241,7 +241,7 @@ def _overhead_vs_serial(original, rewritten, rounds: int = 7) -> float:
 
 def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
     """Every number of the table for one model (see the module docstring)."""
-    from graphfit import baechi
+    from graphfit import pipeline
     from graphfit.remat.backward_order import reorder_backward
     from graphfit.remat.measure import measure_step
     from graphfit.pipeline.passes import run_graph_passes

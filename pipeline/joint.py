@@ -40,8 +40,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.place import Placement, place, place_feeds_first
 from graphfit.baechi.schedule import PlacementError

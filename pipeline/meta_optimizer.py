@@ -41,6 +41,7 @@ from graphfit.baechi.run import RunTarget
 from graphfit.baechi.schedule import PlacementError, Schedule
 from graphfit.errors import ArgumentError, check_number
 from graphfit.models.graph_item import GraphItem
+from graphfit.pipeline.joint import JointSpace, build_option, joint_search
 from graphfit.pipeline.passes import GRAPH_PASS_NAMES, PASSES, check_skip, run_graph_passes
 from graphfit.pipeline.verify import verify_placement, verify_rewrite
 from graphfit.profiler.profile import Profile
@@ -98,7 +99,7 @@ class OptimizeResult:
 
 def optimize(item: GraphItem, *,
              memory_budget: int | str | None = None, memory_ratio: float | str | None = None,
-             joint: "JointSpace | None" = None,
+             joint: JointSpace | None = None,
              remat_heuristic: str = "offline", remat_overhead_limit: float = 2.0,
              target: RunTarget | None = None, devices: DeviceSet | None = None,
              profile: Profile | None = None, place_options: dict[str, Any] | None = None,
@@ -334,7 +335,7 @@ def _over_limits(placement: dict[str, Any]) -> dict[str, int]:
             if measured.get(name, 0) > limit * (1 + PEAK_TOLERANCE)}
 
 
-def _joint(original: GraphItem, item: GraphItem, space: "JointSpace", remat: _RematSettings,
+def _joint(original: GraphItem, item: GraphItem, space: JointSpace, remat: _RematSettings,
            target: RunTarget, devices: DeviceSet, place_options: dict[str, Any] | None,
            skip: frozenset[str], records: list[PassRecord], say: Callable[[str], None]
            ) -> OptimizeResult:
@@ -342,7 +343,6 @@ def _joint(original: GraphItem, item: GraphItem, space: "JointSpace", remat: _Re
     (``pipeline.joint.build_option``: rewrite, apply the search's placement), check it against
     the user's step and measure each device; an option whose measured peaks miss the limits
     gives way to the next fastest, ``JOINT_TRIES`` at most."""
-    from graphfit.pipeline.joint import build_option, joint_search
     from graphfit.pipeline.verify import verify_step
 
     begin = time.perf_counter()

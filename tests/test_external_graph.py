@@ -3,13 +3,11 @@ placer sees (persistent outputs counted once, fetched outputs held to the end, f
 names, huge limits), malformed files fail with the entry named, and the binary writes its three
 outputs."""
 
-import copy
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from graphfit.baechi.external_graph import (FORMAT, ExternalGraphError, load_external_graph,

@@ -21,7 +21,7 @@ from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.closed_loop import PEAK_TOLERANCE
 from graphfit.remat.pipeline import plan_for_budget
 from graphfit.remat.plan import Event, RematPlan
-from graphfit.remat.recompute_graph import RecomputeGraph, recompute_graph, take_over_buffers
+from graphfit.remat.recompute_graph import recompute_graph, take_over_buffers
 from graphfit.remat.tf_memory import MemoryModel
 
 MB = 1 << 20

@@ -21,7 +21,6 @@ changes. ``deadline=None``: on 2 shared cores a single slow example is noise, no
 import math
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

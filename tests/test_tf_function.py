@@ -10,7 +10,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from graphfit import pipeline  # noqa: E402
 from graphfit.profiler.session import make_session  # noqa: E402
 from graphfit.profiler.tf_function import (FunctionItem, FunctionItemError,  # noqa: E402
                                            classifier_train_step, graph_item_from_function,

@@ -11,7 +11,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from graphfit import pipeline  # noqa: E402
 from graphfit.profiler.tf_function import (FunctionItemError, classifier_train_step,  # noqa: E402
                                            graph_item_from_function, to_callable)
 from graphfit.profiler.tf_import import step_operations  # noqa: E402

@@ -373,7 +373,6 @@ def _optimize_and_run(item, profile, report: dict) -> dict:
     from graphfit.pipeline import optimize
     from graphfit.baechi.run import local_target
     from graphfit.profiler.session import make_session, user_config
-    from graphfit.profiler.trace import print_progress
 
     budget = _budget()
     cluster = _cluster()
