@@ -33,7 +33,8 @@ same Grappler defaults): the step as the user runs it today, the reference of th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -42,7 +43,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from graphfit.errors import GraphfitError
 
 __all__ = ["session_config", "user_config", "serial_config", "make_session", "step_config",
-           "onednn_enabled", "EXACT_GRAPH", "StepFailedError", "run_once"]
+           "onednn_enabled", "EXACT_GRAPH", "StepFailedError", "failing_step", "run_once"]
 
 # The ``GraphItem.config`` key a graph rewrite sets when it adds clones or ordering edges that
 # CSE or the dependency optimizer would undo (``remat.rewrite``, ``remat.grad_accumulation``,
@@ -110,6 +111,17 @@ class StepFailedError(GraphfitError):
     """An optimized step does not run on TensorFlow; the message has TF's error."""
 
 
+@contextlib.contextmanager
+def failing_step(what: str) -> Iterator[None]:
+    """Turn TF's refusal to run a step inside the block into ``StepFailedError`` (``what``
+    names the step in the message): for the first run of a rewritten step, wherever it is."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        raise StepFailedError(f"the {what} step does not run on TensorFlow "
+                              f"({type(error).__name__}): {error.message}") from error
+
+
 def run_once(item, what: str, session: Callable[[tf.Graph], Any]) -> None:
     """Initialise and run one step of ``item`` in ``session(graph)``: every pass that rewrites
     a step runs it once before handing it on, so a step that cannot run is never returned.
@@ -117,10 +129,6 @@ def run_once(item, what: str, session: Callable[[tf.Graph], Any]) -> None:
     Raises:
         StepFailedError: TF refused to run it (``what`` names the step in the message).
     """
-    try:
-        with session(item.graph) as running:
-            running.run(item.init_op)
-            running.run([item.train_op, item.loss], item.feed_dict())
-    except tf.errors.OpError as error:
-        raise StepFailedError(f"the {what} step does not run on TensorFlow "
-                              f"({type(error).__name__}): {error.message}") from error
+    with failing_step(what), session(item.graph) as running:
+        running.run(item.init_op)
+        running.run([item.train_op, item.loss], item.feed_dict())
