@@ -79,7 +79,7 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.cost_graph import FEED_OP_TYPES, CostGraph, OpSpec
 from graphfit.profiler.profile import Profile
-from graphfit.profiler.session import make_session
+from graphfit.profiler.session import OpenSessions, session_config
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.plan import FREE, Event, RematPlan
 
@@ -117,17 +117,19 @@ class StepTrace:
     address: dict[str, dict[int, int]]
 
 
-def trace_steps(item: GraphItem, count: int = 1, warmup: int = 1, num_cpu_devices: int = 1
-                ) -> list[StepTrace]:
+def trace_steps(item: GraphItem, count: int = 1, warmup: int = 1, num_cpu_devices: int = 1,
+                sessions: OpenSessions | None = None) -> list[StepTrace]:
     """Run ``item``'s training step (update and loss) ``warmup`` times, then ``count`` times
     traced, all in one session: a new session costs its own Grappler pass and executor
     (``pipeline.optimize`` on ``keras.applications.ResNet50``, 64x64, batch 8, traced six
     steps in sessions of their own in 35.7 s, 2026-12-06), and TF's executor starts the ops
-    of each run in its own order, in one session as in several."""
+    of each run in its own order, in one session as in several. ``sessions``: run in the
+    pool's session of the step (``profiler.session.OpenSessions``)."""
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     fetches = [item.train_op, item.loss]
     traces = []
-    with make_session(item.graph, num_cpu_devices) as session:
+    with OpenSessions.reuse(sessions) as pool:
+        session = pool.get(item.graph, session_config(num_cpu_devices))
         session.run(item.init_op)
         feeds = item.feed_dict()
         for _ in range(warmup):
@@ -203,12 +205,13 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
     return tf_memory_models(item, profile, [trace] if trace is not None else 1)[0]
 
 
-def tf_memory_models(item: GraphItem, profile: Profile | None, traces: "list[StepTrace] | int"
-                     ) -> list[MemoryModel]:
+def tf_memory_models(item: GraphItem, profile: Profile | None, traces: "list[StepTrace] | int",
+                     sessions: OpenSessions | None = None) -> list[MemoryModel]:
     """``tf_memory_model`` of each of ``traces`` (or of that many steps traced in one session,
-    ``trace_steps``): one traced order each, the uncalibrated cost graph built once for all."""
+    ``trace_steps``, ``sessions``' if given): one traced order each, the uncalibrated cost
+    graph built once for all."""
     if isinstance(traces, int):
-        traces = trace_steps(item, traces)
+        traces = trace_steps(item, traces, sessions=sessions)
     base = cost_graph_from_graph(item.graph, [item.train_op, item.loss], profile)
     return [_calibrated(base, trace) for trace in traces]
 
