@@ -34,7 +34,7 @@ same Grappler defaults): the step as the user runs it today, the reference of th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -115,7 +115,9 @@ class OpenSessions:
     batch 8) three traced steps, each in a session of its own, took 45 s, and six in one
     session 23 s, on a loaded machine (2026-12-06). Every user re-runs the step's initialiser
     first, as it does in a new session. ``reuse(sessions)`` is how a function takes an
-    optional pool: the caller's, or one of its own closed when it returns.
+    optional pool: the caller's, or one of its own closed when it returns. Each open session
+    holds its step's variables and kernels' buffers: ``keep_only`` closes those of the steps a
+    caller is done with.
 
     Examples:
         >>> with OpenSessions.reuse(None) as sessions:          # doctest: +SKIP
@@ -124,7 +126,6 @@ class OpenSessions:
 
     def __init__(self):
         self._open: dict[tuple[int, bytes], tuple[tf.Graph, tf.compat.v1.Session]] = {}
-        self._stack = contextlib.ExitStack()
 
     def get(self, graph: tf.Graph, config: tf.compat.v1.ConfigProto | None = None
             ) -> tf.compat.v1.Session:
@@ -132,8 +133,7 @@ class OpenSessions:
         config = config or session_config()
         key = (id(graph), config.SerializeToString(deterministic=True))
         if key not in self._open:     # the graph is kept too: its id stays its own
-            self._open[key] = (graph, self._stack.enter_context(
-                tf.compat.v1.Session(graph=graph, config=config)))
+            self._open[key] = (graph, tf.compat.v1.Session(graph=graph, config=config))
         return self._open[key][1]
 
     def borrow(self, graph: tf.Graph, config: tf.compat.v1.ConfigProto | None = None
@@ -142,10 +142,15 @@ class OpenSessions:
         session in a ``with`` block (``profiler.trace.profile_graph``'s ``session_factory``)."""
         return contextlib.nullcontext(self.get(graph, config))
 
+    def keep_only(self, graphs: Iterable[tf.Graph]) -> None:
+        """Close the sessions of every graph but ``graphs``."""
+        kept = {id(graph) for graph in graphs}
+        for key in [key for key in self._open if key[0] not in kept]:
+            self._open.pop(key)[1].close()
+
     def close(self) -> None:
         """Close every session."""
-        self._open.clear()
-        self._stack.close()
+        self.keep_only(())
 
     def __enter__(self) -> "OpenSessions":
         return self

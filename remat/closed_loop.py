@@ -131,6 +131,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         with times.stage("trace_for_prediction"):
             traces = (trace_for_prediction(original, item, models[0], sessions=sessions)
                       if verify else None)
+        sessions.keep_only([original.graph])      # the planned step is not run again
         for _ in range(MAX_PLAN_ROUNDS):
             try:
                 with times.stage("plan_and_rewrite"):
@@ -165,7 +166,9 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                              lambda graph: make_session(graph, num_cpu_devices))
                 return rewritten, plan, {**details, "stage_seconds": times.report()}
             # The measurement's first step is the rewritten step's first run (the graph is not
-            # placed yet: one device runs it as several would).
+            # placed yet: one device runs it as several would). A step of an earlier round
+            # is not run again.
+            sessions.keep_only([original.graph])
             # Moved updates must leave the same weights (``WeightCheck``), checked on the runs
             # that compare the loss and gradients.
             with times.stage("verify"), failing_step("rematerialized"):
