@@ -120,10 +120,11 @@ class StepTrace:
 def trace_steps(item: GraphItem, count: int = 1, warmup: int = 1, num_cpu_devices: int = 1,
                 sessions: OpenSessions | None = None) -> list[StepTrace]:
     """Run ``item``'s training step (update and loss) ``warmup`` times, then ``count`` times
-    traced, all in one session: a new session costs its own Grappler pass and executor
-    (``pipeline.optimize`` on ``keras.applications.ResNet50``, 64x64, batch 8, traced six
-    steps in sessions of their own in 35.7 s, 2026-12-06), and TF's executor starts the ops
-    of each run in its own order, in one session as in several. ``sessions``: run in the
+    traced, all in one session: a new session costs its own Grappler pass and executor (on
+    ``keras.applications.ResNet50``, 64x64, batch 8, in one process on a loaded VM: six traced
+    steps in one session took 23.3 s, three in sessions of their own 45.0 s, 2026-12-06), and
+    TF's executor starts the ops of each run in its own order, in one session as in several
+    (six distinct orders of six traces either way). ``sessions``: run in the
     pool's session of the step (``profiler.session.OpenSessions``)."""
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     fetches = [item.train_op, item.loss]
