@@ -26,7 +26,9 @@ in minutes:
   overhead against
   the original step run one op at a time (``measured_overhead_vs_serial``): the rewrite runs
   the backward pass as a chain, so the gap between the measured overhead and this one is the
-  inter-op parallelism the chain gives up, not recomputation.
+  inter-op parallelism the chain gives up, not recomputation. And how long ``optimize`` took
+  (``optimize_seconds``) and where (``stage_seconds``: each graph pass, then the remat pass's
+  stages, ``remat.closed_loop``).
 
     python -m graphfit.bench.reach [--quick] [--models a,b] [--output_stem reach_x]
 
@@ -268,8 +270,10 @@ def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
                                                   baseline.peak_bytes, planner, ratios)
                            for planner in PLANNERS}
     try:
+        started = time.perf_counter()
         result = pipeline.optimize(item, memory_budget=baseline.peak_bytes // 2,
                                  remat_heuristic="offline", progress=None)
+        optimize_seconds = time.perf_counter() - started
         remat = result.report()["remat"]
         row["at_half"] = {key: remat.get(key) for key in (
             "budget_bytes", "planned_peak_bytes", "measured_peak_bytes",
@@ -281,6 +285,10 @@ def reach(name: str, build: Callable, ratios: tuple[float, ...]) -> dict:
             {k: r[k] for k in ("planning_budget_bytes", "planned_peak_bytes",
                                "measured_peak_bytes")} for r in remat.get("rounds", [])]
         row["at_half"]["measured_overhead_vs_serial"] = _overhead_vs_serial(item, result.item)
+        row["at_half"]["optimize_seconds"] = round(optimize_seconds, 1)
+        row["at_half"]["stage_seconds"] = {
+            **{r.name: round(r.seconds, 2) for r in result.passes if r.seconds},
+            **remat.get("stage_seconds", {})}
     except Exception as error:  # noqa: BLE001 - a benchmark records every failure verbatim
         row["at_half"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         traceback.print_exc()

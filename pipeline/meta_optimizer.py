@@ -17,7 +17,9 @@ promises:
   step must compute the same loss, gradients and (after the early-update pass) weights, and
   its measured peak must be within 5% of the budget; if it is not, the pass plans again for a
   budget lowered by the measured excess (``MAX_PLAN_ROUNDS`` rounds at most) and reports every
-  round, or fails with the numbers. Only a verified pass lets backward events float beside the
+  round, or fails with the numbers. Its record has the seconds of each stage
+  (``stage_seconds``: measuring, tracing, planning, verifying), also printed as progress, so a
+  slow run says where its time went. Only a verified pass lets backward events float beside the
   chain (``remat.side_by_side``): a peak measured above the budget, or above that plan's by
   more than ``PEAK_TOLERANCE``, sends it back to the strict chain, for the same budget, first.
 - ``place``: place the step on the target's devices (``baechi.place_and_run``: group, fuse,
@@ -286,6 +288,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     say(f"remat: {plan.num_recomputes} recomputations, planned peak "
         f"{format_bytes(plan.peak_bytes)} (budget {format_bytes(plan.budget_bytes)}), "
         f"planned overhead {plan.overhead:.2f}x")
+    say("remat: seconds by stage: " + ", ".join(
+        f"{stage} {seconds:.1f}" for stage, seconds in details["stage_seconds"].items()))
     return item, plan
 
 

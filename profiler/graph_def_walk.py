@@ -18,7 +18,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import EXACT_GRAPH
 
 __all__ = ["GraphDefPassError", "split_input", "topological_order", "production_depth",
-           "successors", "descendants", "ancestors", "rebuild"]
+           "successors", "ancestors", "Reachability", "rebuild"]
 
 
 class GraphDefPassError(GraphfitError, ValueError):
@@ -86,19 +86,6 @@ def production_depth(graph_def: tf.compat.v1.GraphDef) -> dict[str, int]:
     return depth
 
 
-def descendants(readers: dict[str, list[str]], sources: Iterable[str]) -> set[str]:
-    """Every node reachable from ``sources`` in ``readers`` (``successors(graph_def)``) over
-    data and control edges (sources excluded unless reachable from another source)."""
-    seen: set[str] = set()
-    stack = [s for source in sources for s in readers[source]]
-    while stack:
-        name = stack.pop()
-        if name not in seen:
-            seen.add(name)
-            stack.extend(readers[name])
-    return seen
-
-
 def ancestors(graph_def: tf.compat.v1.GraphDef, sinks: Iterable[str]) -> set[str]:
     """Every node ``sinks`` depend on over data and control edges, ``sinks`` included (the
     fan-in a ``Session.run`` of them executes)."""
@@ -111,6 +98,51 @@ def ancestors(graph_def: tf.compat.v1.GraphDef, sinks: Iterable[str]) -> set[str
             seen.add(name)
             stack.extend(split_input(i)[0] for i in nodes[name].input)
     return seen
+
+
+class Reachability:
+    """Which of some ``tracked`` nodes reach which nodes of a graph, over data and control
+    edges, kept exact while edges are added.
+
+    A pass that asks "is ``a`` upstream of ``b``?" for hundreds of pairs would walk the graph
+    once per question: ``remat.early_updates`` did, 646 walks of ``keras.applications.
+    ResNet50``'s 7,600 ops in one ``optimize`` (20.6 s of 231 s, 2026-12-06). Here one pass
+    in topological order gives every node the set of tracked nodes it depends on, as a bitset
+    (a Python int; bit ``k``: the ``k``-th tracked node), so a question is a bit test. Only the
+    tracked nodes take bits, so the sets stay small on a large graph.
+    """
+
+    def __init__(self, graph_def: tf.compat.v1.GraphDef, tracked: Iterable[str]):
+        self._bit = {name: 1 << k for k, name in enumerate(dict.fromkeys(tracked))}
+        self._readers = successors(graph_def)
+        nodes = {node.name: node for node in graph_def.node}
+        self._upstream: dict[str, int] = {}
+        for name in topological_order(graph_def):
+            bits = self._bit.get(name, 0)
+            for producer in nodes[name].input:
+                bits |= self._upstream[split_input(producer)[0]]
+            self._upstream[name] = bits
+
+    def reaches(self, source: str, target: str) -> bool:
+        """Whether ``target`` depends on ``source`` (a tracked node), or is it."""
+        return bool(self._upstream[target] & self._bit[source])
+
+    def upstream(self, target: str, among: Iterable[str]) -> set[str]:
+        """The tracked nodes of ``among`` that ``target`` depends on (or is)."""
+        bits = self._upstream[target]
+        return {name for name in among if bits & self._bit[name]}
+
+    def add_edge(self, source: str, target: str) -> None:
+        """Record a new edge ``source -> target``: ``target`` and everything downstream of it
+        now depend on what ``source`` depends on. (The caller edits the GraphDef itself.)"""
+        bits = self._upstream[source]
+        self._readers[source].append(target)
+        stack = [target]
+        while stack:      # a node that has the bits already passed them on downstream
+            name = stack.pop()
+            if bits & ~self._upstream[name]:
+                self._upstream[name] |= bits
+                stack.extend(self._readers[name])
 
 
 def rebuild(item: GraphItem, graph_def: tf.compat.v1.GraphDef, config_key: str,

@@ -15,7 +15,6 @@ of the same round saw the same load, so their ratios hold.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.paired_timing import paired_step_times
+from graphfit.profiler.session import OpenSessions
 
 __all__ = ["StepIntervals", "op_intervals"]
 
@@ -53,8 +53,8 @@ def _spans(metadata: tf.compat.v1.RunMetadata) -> dict[str, tuple[float, float]]
 
 
 def op_intervals(steps: Mapping[str, tuple[GraphItem, tf.compat.v1.ConfigProto]],
-                 rounds: int = 3, traced: int = 3, warmup: int = 2, min_seconds: float = 0.0
-                 ) -> dict[str, StepIntervals]:
+                 rounds: int = 3, traced: int = 3, warmup: int = 2, min_seconds: float = 0.0,
+                 sessions: OpenSessions | None = None) -> dict[str, StepIntervals]:
     """Time untraced steps side by side, then trace steps of each, side by side too.
 
     Parameters:
@@ -65,15 +65,16 @@ def op_intervals(steps: Mapping[str, tuple[GraphItem, tf.compat.v1.ConfigProto]]
         traced: traced steps of each, at least; more until they took ``min_seconds``
             (an op's time in one traced step of a few milliseconds is noise: on a 30 ms Keras
             step the prediction moved by 15% between runs of 4 traced steps, by 1.5% with 12).
+        sessions: run in the pool's sessions (``profiler.session.OpenSessions``).
 
     Returns:
         name -> its ``StepIntervals``.
     """
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    with contextlib.ExitStack() as stack:
+    with OpenSessions.reuse(sessions) as pool:
         runs = {}
         for name, (item, config) in steps.items():
-            session = stack.enter_context(tf.compat.v1.Session(graph=item.graph, config=config))
+            session = pool.get(item.graph, config)
             session.run(item.init_op)
             runs[name] = functools.partial(session.run, [item.train_op, item.loss],
                                            item.feed_dict())

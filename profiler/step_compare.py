@@ -64,7 +64,7 @@ from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL, takes_eigen_kerne
 from graphfit.profiler.session import make_session, session_config, step_config
 from graphfit.profiler.trace import step_fetches
 
-__all__ = ["NOISE_FACTOR", "StepComparison", "StepMismatchError", "compare_steps",
+__all__ = ["NOISE_FACTOR", "StepComparison", "StepMismatchError", "WeightCheck", "compare_steps",
            "compare_weights", "seed_random_ops", "tensors_close", "unfused_twin"]
 
 # How many times the original step's own kernel-order difference a candidate may differ by,
@@ -80,6 +80,30 @@ _CONTROL_FLOW_OP_TYPES = frozenset({"Switch", "Merge", "Enter", "Exit", "NextIte
 
 class StepMismatchError(GraphfitError, AssertionError):
     """The candidate step's loss or gradients differ from the reference step's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightCheck:
+    """Compare the variables after the step too (``compare_steps``), with these tolerances;
+    ``kernel_order_noise`` widens them by the reference's ``unfused_twin`` (module
+    docstring). The check for passes that move optimizer updates (``remat.early_updates``):
+    equal gradients do not prove the updates read the right values. Optimizer slots and
+    counters are variables too, so Adam's moments and iteration count are compared as well."""
+
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    kernel_order_noise: bool = False
+
+
+@dataclasses.dataclass
+class _StepValues:
+    """What one step of a graph gave: the initial values its initialisers assigned, the loss,
+    the gradients, and (when read) every variable after the step."""
+
+    initial: dict[str, np.ndarray]
+    loss: float
+    gradients: list[np.ndarray]
+    weights: dict[str, np.ndarray] | None
 
 
 @dataclasses.dataclass
@@ -98,6 +122,9 @@ class StepComparison:
             ``NOISE_FACTOR`` times its own such difference.
         seeded_random_ops: unseeded random ops given a fixed seed, by name, in both graphs
             for this comparison (see the module docstring).
+        weights_equal: every variable after the step is ``tensors_close`` to the reference's
+            under ``WeightCheck``'s tolerances (``None``: not compared); not part of ``equal``.
+        max_abs_weight_diff: largest elementwise |difference| over the variables after it.
     """
 
     loss_reference: float
@@ -110,6 +137,8 @@ class StepComparison:
     atol: float
     max_kernel_noise: float | None = None
     seeded_random_ops: list[str] = dataclasses.field(default_factory=list)
+    weights_equal: bool | None = None
+    max_abs_weight_diff: float | None = None
 
     @property
     def equal(self) -> bool:
@@ -283,13 +312,45 @@ def _max_abs_diff(first: np.ndarray, second: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(first) - np.asarray(second)), initial=0.0))
 
 
+def _with_variable_reads(item: GraphItem) -> tuple[GraphItem, dict[str, str]]:
+    """A copy of ``item`` whose graph also reads every variable (``item``'s own graph is the
+    caller's and stays as it is): (the copy, variable name -> its read tensor)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(item.graph.as_graph_def(), name="")
+        reads = {}
+        for op in graph.get_operations():
+            if op.type == "VarHandleOp":
+                reads[op.name] = tf.raw_ops.ReadVariableOp(resource=op.outputs[0],
+                                                           dtype=op.get_attr("dtype")).name
+            elif op.type in ("VariableV2", "Variable"):
+                reads[op.name] = tf.identity(op.outputs[0]).name
+    return item.with_graph(graph), reads
+
+
+def _run_step(item: GraphItem, session: Callable[[tf.Graph], tf.compat.v1.Session],
+              initial_values: Mapping[str, np.ndarray] | None, read_weights: bool
+              ) -> _StepValues:
+    """One step of ``item`` in ``session(graph)`` from ``initial_values`` (``None``: its own
+    initialisers'), reading the variables after it when ``read_weights``."""
+    reads: dict[str, str] = {}
+    if read_weights:
+        item, reads = _with_variable_reads(item)
+    with session(item.graph) as running:
+        initial, loss, gradients = _one_step(item, running, initial_values)
+        weights = dict(zip(reads, running.run(list(reads.values())))) if read_weights else None
+    return _StepValues(initial, loss, gradients, weights)
+
+
 def compare_steps(reference: GraphItem, candidate: GraphItem,
                   candidate_session: Callable[[tf.Graph], tf.compat.v1.Session] | None = None,
                   rtol: float = 1e-5, atol: float = 1e-6,
                   kernel_order_noise: bool = False, loss_rtol: float | None = None,
-                  atol_of_max: float = 0.0) -> StepComparison:
+                  atol_of_max: float = 0.0, weights: WeightCheck | None = None
+                  ) -> StepComparison:
     """Run one step of ``reference`` on one device and one of ``candidate`` in
-    ``candidate_session`` from the same initial variables, and compare loss and gradients.
+    ``candidate_session`` from the same initial variables, and compare loss and gradients
+    (and, with ``weights``, the variables after the step, from the same runs).
 
     Parameters:
         reference: the untransformed step.
@@ -306,91 +367,77 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
         kernel_order_noise: also run the reference's ``unfused_twin`` and widen each tensor's
             tolerance by ``NOISE_FACTOR`` times its difference there (module docstring): for
             passes that keep TF's fusions off some ops.
+        weights: compare the variables after the step as well (``WeightCheck``); one twin
+            run serves both noises.
 
     Returns:
         The comparison (``seeded_random_ops``: the unseeded random ops both graphs ran with a
-        fixed seed); ``.check()`` raises ``StepMismatchError`` if it failed.
+        fixed seed); ``.check()`` raises ``StepMismatchError`` if the loss or gradients
+        differ (the variables are reported, ``weights_equal``, not checked).
 
     Raises:
-        KeyError: ``candidate`` lacks a tensor the reference's initialisers assign from.
+        KeyError: ``candidate`` lacks a tensor the reference's initialisers assign from, or
+            a variable of the reference.
     """
     reference, seeded = seed_random_ops(reference)
     candidate, _ = seed_random_ops(candidate)
     candidate_session = candidate_session or (
         lambda graph: make_session(graph, config=step_config(candidate)))
-    with make_session(reference.graph, config=step_config(reference)) as session:
-        initial, loss_reference, gradients_reference = _one_step(reference, session, None)
-    with candidate_session(candidate.graph) as session:
-        _, loss_candidate, gradients_candidate = _one_step(candidate, session, initial)
-    loss_noise, noise = 0.0, [0.0] * len(gradients_reference)
+    read_weights = weights is not None
+    ran = _run_step(reference, lambda graph: make_session(graph, config=step_config(reference)),
+                    None, read_weights)
+    other = _run_step(candidate, candidate_session, ran.initial, read_weights)
+    twin = None
+    if kernel_order_noise or (read_weights and weights.kernel_order_noise):
+        twin_item, config = unfused_twin(reference)
+        twin = _run_step(twin_item, lambda graph: make_session(graph, config=config),
+                         ran.initial, read_weights)
+    loss_noise, noise = 0.0, [0.0] * len(ran.gradients)
     if kernel_order_noise:
-        twin, config = unfused_twin(reference)
-        with make_session(twin.graph, config=config) as session:
-            _, loss_twin, gradients_twin = _one_step(twin, session, initial)
-        loss_noise = _max_abs_diff(loss_twin, loss_reference)
-        noise = [_max_abs_diff(t, r) for t, r in zip(gradients_twin, gradients_reference)]
-    pairs = list(zip(gradients_candidate, gradients_reference, noise))
+        loss_noise = _max_abs_diff(twin.loss, ran.loss)
+        noise = [_max_abs_diff(t, r) for t, r in zip(twin.gradients, ran.gradients)]
+    pairs = list(zip(other.gradients, ran.gradients, noise))
     max_abs_gradient = max((float(np.max(np.abs(r), initial=0.0))
-                            for r in gradients_reference), default=0.0)
+                            for r in ran.gradients), default=0.0)
     gradient_atol = atol + atol_of_max * max_abs_gradient
-    return StepComparison(
-        loss_reference=loss_reference, loss_candidate=loss_candidate,
-        loss_equal=tensors_close(loss_candidate, loss_reference,
+    comparison = StepComparison(
+        loss_reference=ran.loss, loss_candidate=other.loss,
+        loss_equal=tensors_close(other.loss, ran.loss,
                                  rtol if loss_rtol is None else loss_rtol, atol, loss_noise),
         gradients_equal=all(tensors_close(c, r, rtol, gradient_atol, n) for c, r, n in pairs),
         max_abs_gradient_diff=max((_max_abs_diff(c, r) for c, r, _ in pairs), default=0.0),
         max_abs_gradient=max_abs_gradient, rtol=rtol, atol=gradient_atol,
         max_kernel_noise=max(noise, default=0.0) if kernel_order_noise else None,
         seeded_random_ops=seeded)
+    if read_weights:
+        comparison.weights_equal, comparison.max_abs_weight_diff = _weights_close(
+            other.weights, ran.weights, twin.weights if weights.kernel_order_noise else None,
+            weights)
+    return comparison
 
 
-def _variable_values(item: GraphItem, initial_values: Mapping[str, np.ndarray] | None,
-                     config: tf.compat.v1.ConfigProto | None = None
-                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Initialise a copy of ``item``'s graph (with ``initial_values`` fed, if given), run one
-    training step (session ``config``; default the project's), and read every variable:
-    (initial values, variable name -> value after)."""
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(item.graph.as_graph_def(), name="")
-        reads = {}
-        for op in graph.get_operations():
-            if op.type == "VarHandleOp":
-                reads[op.name] = tf.raw_ops.ReadVariableOp(resource=op.outputs[0],
-                                                           dtype=op.get_attr("dtype"))
-            elif op.type in ("VariableV2", "Variable"):
-                reads[op.name] = tf.identity(op.outputs[0])
-    copy = item.with_graph(graph)
-    with make_session(graph, config=config) as session:
-        initial, _, _ = _one_step(copy, session, initial_values)
-        return initial, dict(zip(reads, session.run(list(reads.values()))))
+def _weights_close(candidate: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                   twin: Mapping[str, np.ndarray] | None, check: WeightCheck
+                   ) -> tuple[bool, float]:
+    """Whether every variable of ``reference`` is close in ``candidate`` (widened by its
+    difference in ``twin``, if given), and the largest |difference|."""
+    noise = {name: 0.0 if twin is None else _max_abs_diff(twin[name], value)
+             for name, value in reference.items()}
+    diffs = [_max_abs_diff(candidate[name], value) for name, value in reference.items()]
+    equal = all(tensors_close(candidate[name], value, check.rtol, check.atol, noise[name])
+                for name, value in reference.items())
+    return equal, max(diffs, default=0.0)
 
 
 def compare_weights(reference: GraphItem, candidate: GraphItem, rtol: float = 1e-5,
                     atol: float = 1e-6, kernel_order_noise: bool = False
                     ) -> tuple[bool, float]:
     """One training step of each from identical initial variables: are the variables after
-    the step equal (``tensors_close``)? Returns ``(equal, max |difference|)``.
-
-    The check for passes that move optimizer updates (``remat.early_updates``): equal
-    gradients do not prove the updates read the right values. Optimizer slots and counters
-    are variables too, so Adam's moments and iteration count are compared as well.
+    the step equal (``tensors_close``; ``WeightCheck``)? Returns ``(equal, max |difference|)``.
 
     Raises:
         KeyError: ``candidate`` lacks a variable of ``reference``.
     """
-    reference = seed_random_ops(reference)[0]
-    initial, after_reference = _variable_values(reference, None, step_config(reference))
-    _, after_candidate = _variable_values(seed_random_ops(candidate)[0], initial,
-                                          step_config(candidate))
-    noise = dict.fromkeys(after_reference, 0.0)
-    if kernel_order_noise:
-        twin, config = unfused_twin(reference)
-        _, after_twin = _variable_values(twin, initial, config)
-        noise = {name: _max_abs_diff(after_twin[name], value)
-                 for name, value in after_reference.items()}
-    diffs = [_max_abs_diff(after_candidate[name], value)
-             for name, value in after_reference.items()]
-    equal = all(tensors_close(after_candidate[name], value, rtol, atol, noise[name])
-                for name, value in after_reference.items())
-    return equal, max(diffs, default=0.0)
+    comparison = compare_steps(reference, candidate,
+                               weights=WeightCheck(rtol, atol, kernel_order_noise))
+    return comparison.weights_equal, comparison.max_abs_weight_diff

@@ -3,7 +3,10 @@ measured peak misses the budget.
 
 A plan's peak is a prediction of TF's allocator; this loop holds it to the measurement (the
 allocator's own reading where TF keeps statistics, ``remat.measure``). The rewritten step runs
-once before it is returned (a step that cannot run is never handed on). When verifying, it
+once before it is returned (a step that cannot run is never handed on; when verifying, that
+run is the measurement's). The details carry the seconds of each stage (``stage_seconds``:
+measuring the user's step, profiling, tracing the orders and for the step-time prediction,
+planning and rewriting, verifying), summed over the rounds. When verifying, it
 must compute the user's loss and gradients (``remat.measure``), and what it adds above its
 resident bytes must be within ``PEAK_TOLERANCE`` of what the budget leaves it
 (``meets_budget``); if it is not, the planning budget is lowered by the measured excess,
@@ -90,77 +93,104 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
 
     Returns:
         ``(rewritten step, plan, JSON-ready details)``; with ``verify``, ``details["rounds"]``
-        has every round's plan and measurement.
+        has every round's plan and measurement; ``details["stage_seconds"]`` the time profile.
 
     Raises:
         remat.pipeline.BudgetError: no plan fits, or the measured peak stays above the budget
             after ``MAX_PLAN_ROUNDS`` rounds (the message has every round's numbers).
         profiler.session.StepFailedError: the rewritten step does not run.
     """
-    from graphfit.profiler.session import make_session, session_config
-    from graphfit.profiler.step_compare import compare_weights
+    from graphfit.profiler.progress import StageTimes
+    from graphfit.profiler.session import (OpenSessions, failing_step, make_session,
+                                           session_config)
+    from graphfit.profiler.step_compare import WeightCheck
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import measure_rewrite, measure_step
     from graphfit.remat.step_time import trace_for_prediction
-    from graphfit.remat.tf_memory import tf_memory_model
+    from graphfit.remat.tf_memory import tf_memory_models
 
-    baseline = measure_step(original, warmup=1, num_cpu_devices=num_cpu_devices)
-    budget = int(budget_bytes if budget_bytes is not None
-                 else ratio_budget(baseline.peak_bytes, baseline.resident_bytes, budget_ratio))
-    # Plans are made for, and rewritten steps run under, the project's configuration.
-    profile = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices,
-                           config=session_config(num_cpu_devices)).profile
-    planning_budget, rounds, side_by_side = budget, [], verify
-    models = [tf_memory_model(item, profile) for _ in range(PLAN_ORDERS)]
-    # The same for every round of planning.
-    traces = trace_for_prediction(original, item, models[0]) if verify else None
-    for _ in range(MAX_PLAN_ROUNDS):
-        try:
-            rewritten, plan = rematerialize(item, models, budget_bytes=planning_budget,
-                                            heuristic=heuristic, overhead_limit=overhead_limit,
-                                            side_by_side=side_by_side, step_traces=traces)
-        except BudgetError as error:
-            if not rounds:  # name the smallest budget that plans, on these same orders
-                raise with_smallest_budget(error, item, models, heuristic, overhead_limit,
-                                           baseline.peak_bytes, baseline.resident_bytes)
-            raise BudgetError(f"{_missed(budget, rounds)}; planning again for "
-                              f"{planning_budget / 2**20:.1f} MiB failed: {error}",
-                              budget, error.minimum_bytes) from error
-        if plan.peak_bytes > plan.budget_bytes:
-            raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
-                                 f"exceeds the budget {plan.budget_bytes:,}")
-        if order_updates:
-            rewritten, order = order_updates_after_reads(rewritten)
-        run_once(rewritten, "rematerialized",
-                  lambda graph: make_session(graph, num_cpu_devices))
-        details = {"method": plan.method, "budget_bytes": budget,
-                   "planning_budget_bytes": plan.budget_bytes,
-                   "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
-                   "num_recomputes": plan.num_recomputes,
-                   "recomputed_ops": plan.stats.get("recomputed_ops", []),
-                   "overhead_by_order": plan.stats["orders"],
-                   "side_by_side_events": plan.stats["side_by_side_events"],
-                   "late_variable_readers": order["late_readers"] if order_updates else 0}
-        if not verify:
-            return rewritten, plan, details
-        details.update(measure_rewrite(original, rewritten, plan, baseline=baseline),
-                       budget_bytes=budget, planning_budget_bytes=plan.budget_bytes,
-                       planned_step_vs_user=plan.stats["step_time"]["vs_user"],
-                       planned_step_time=plan.stats["step_time"])
-        if order_updates:
-            details["weights_match"], details["max_abs_weight_diff"] = compare_weights(
-                original, rewritten, kernel_order_noise=True)
-        details["measured_peak_over_budget"] = details["measured_peak_bytes"] / budget
-        rounds.append(details)
-        if side_by_side and plan.stats["side_by_side_events"] and not _floating_kept(
-                details["measured_peak_bytes"], plan.peak_bytes, budget):
-            side_by_side = False
-            continue
-        if meets_budget(details["measured_peak_bytes"], budget,
-                        details["measured_resident_bytes"]):
-            return rewritten, plan, {**details, "rounds": rounds}
-        resident = details["measured_resident_bytes"]
-        planning_budget = int(resident + (planning_budget - resident) * (budget - resident)
-                              / max(details["measured_peak_bytes"] - resident, 1))
-    raise BudgetError(f"{_missed(budget, rounds)}. Raise the budget or try another planner.",
-                      budget, min(r["measured_peak_bytes"] for r in rounds))
+    # One session per step and configuration for every stage (``OpenSessions``): the user's
+    # step, the planned step, its serial chain, each rewritten step.
+    with OpenSessions() as sessions:
+        times = StageTimes()
+        with times.stage("measure_user_step"):
+            baseline = measure_step(original, warmup=1, num_cpu_devices=num_cpu_devices,
+                                    sessions=sessions)
+        budget = int(budget_bytes if budget_bytes is not None
+                     else ratio_budget(baseline.peak_bytes, baseline.resident_bytes,
+                                       budget_ratio))
+        # Plans are made for, and rewritten steps run under, the project's configuration.
+        with times.stage("profile"):
+            profile = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices,
+                                   config=session_config(num_cpu_devices),
+                                   sessions=sessions).profile
+        planning_budget, rounds, side_by_side = budget, [], verify
+        with times.stage("trace_orders"):
+            models = tf_memory_models(item, profile, PLAN_ORDERS, sessions)
+        # The same for every round of planning.
+        with times.stage("trace_for_prediction"):
+            traces = (trace_for_prediction(original, item, models[0], sessions=sessions)
+                      if verify else None)
+        sessions.keep_only([original.graph])      # the planned step is not run again
+        for _ in range(MAX_PLAN_ROUNDS):
+            try:
+                with times.stage("plan_and_rewrite"):
+                    rewritten, plan = rematerialize(item, models, budget_bytes=planning_budget,
+                                                    heuristic=heuristic,
+                                                    overhead_limit=overhead_limit,
+                                                    side_by_side=side_by_side, step_traces=traces)
+            except BudgetError as error:
+                if not rounds:  # name the smallest budget that plans, on these same orders
+                    raise with_smallest_budget(error, item, models, heuristic, overhead_limit,
+                                               baseline.peak_bytes, baseline.resident_bytes)
+                raise BudgetError(f"{_missed(budget, rounds)}; planning again for "
+                                  f"{planning_budget / 2**20:.1f} MiB failed: {error}",
+                                  budget, error.minimum_bytes) from error
+            if plan.peak_bytes > plan.budget_bytes:
+                raise AssertionError(f"remat postcondition: planned peak {plan.peak_bytes:,} bytes "
+                                     f"exceeds the budget {plan.budget_bytes:,}")
+            if order_updates:
+                with times.stage("order_updates"):
+                    rewritten, order = order_updates_after_reads(rewritten)
+            details = {"method": plan.method, "budget_bytes": budget,
+                       "planning_budget_bytes": plan.budget_bytes,
+                       "planned_peak_bytes": plan.peak_bytes, "planned_overhead": plan.overhead,
+                       "num_recomputes": plan.num_recomputes,
+                       "recomputed_ops": plan.stats.get("recomputed_ops", []),
+                       "overhead_by_order": plan.stats["orders"],
+                       "side_by_side_events": plan.stats["side_by_side_events"],
+                       "late_variable_readers": order["late_readers"] if order_updates else 0}
+            if not verify:
+                with times.stage("run_once"):
+                    run_once(rewritten, "rematerialized",
+                             lambda graph: make_session(graph, num_cpu_devices))
+                return rewritten, plan, {**details, "stage_seconds": times.report()}
+            # The measurement's first step is the rewritten step's first run (the graph is not
+            # placed yet: one device runs it as several would). A step of an earlier round
+            # is not run again.
+            sessions.keep_only([original.graph])
+            # Moved updates must leave the same weights (``WeightCheck``), checked on the runs
+            # that compare the loss and gradients.
+            with times.stage("verify"), failing_step("rematerialized"):
+                details.update(measure_rewrite(
+                    original, rewritten, plan, baseline=baseline,
+                    weights=WeightCheck(kernel_order_noise=True) if order_updates else None,
+                    sessions=sessions),
+                    budget_bytes=budget, planning_budget_bytes=plan.budget_bytes,
+                    planned_step_vs_user=plan.stats["step_time"]["vs_user"],
+                    planned_step_time=plan.stats["step_time"])
+            details["measured_peak_over_budget"] = details["measured_peak_bytes"] / budget
+            rounds.append(details)
+            if side_by_side and plan.stats["side_by_side_events"] and not _floating_kept(
+                    details["measured_peak_bytes"], plan.peak_bytes, budget):
+                side_by_side = False
+                continue
+            if meets_budget(details["measured_peak_bytes"], budget,
+                            details["measured_resident_bytes"]):
+                return rewritten, plan, {**details, "rounds": rounds,
+                                         "stage_seconds": times.report()}
+            resident = details["measured_resident_bytes"]
+            planning_budget = int(resident + (planning_budget - resident) * (budget - resident)
+                                  / max(details["measured_peak_bytes"] - resident, 1))
+        raise BudgetError(f"{_missed(budget, rounds)}. Raise the budget or try another planner.",
+                          budget, min(r["measured_peak_bytes"] for r in rounds))

@@ -40,8 +40,8 @@ import collections
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
-from graphfit.profiler.graph_def_walk import (GraphDefPassError, ancestors, descendants, rebuild,
-                                           split_input, successors)
+from graphfit.profiler.graph_def_walk import (GraphDefPassError, Reachability, ancestors, rebuild,
+                                           split_input)
 from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["VARIABLE_WRITE_OP_TYPES", "apply_updates_early", "order_updates_after_reads"]
@@ -94,29 +94,28 @@ def _readers_by_variable(graph_def: tf.compat.v1.GraphDef, nodes: dict) -> dict[
 
 def _order(graph_def: tf.compat.v1.GraphDef, train_op: str) -> dict:
     """Add reader -> write edges in place, for the writes of the step (not the initialiser's);
-    the counts."""
+    the counts. Each write sees the edges added for the writes before it."""
     nodes = {node.name: node for node in graph_def.node}
     readers = _readers_by_variable(graph_def, nodes)
     step = ancestors(graph_def, [train_op])
-    readers_of = successors(graph_def)
+    writes = [node for node in graph_def.node
+              if node.op in VARIABLE_WRITE_OP_TYPES and node.name in step]
+    readers_of_write = {write.name: readers.get(_handle(nodes, write.input[0]), set()) & step
+                        - {write.name} for write in writes}
+    reach = Reachability(graph_def, [*readers_of_write, *set().union(*readers_of_write.values())])
     added = late = 0
-    for node in list(graph_def.node):
-        if node.op not in VARIABLE_WRITE_OP_TYPES or node.name not in step:
-            continue
-        variable_readers = readers.get(_handle(nodes, node.input[0]), set()) & step - {node.name}
-        if not variable_readers:
-            continue
-        downstream = descendants(readers_of, [node.name])
+    for node in writes:
+        variable_readers = readers_of_write[node.name]
         # A reader the update depends on already (the forward pass's, through the gradient)
         # needs no edge; one would also make it an op others wait for, which the memory
         # model (remat.tf_memory) keeps out of forwarding chains.
-        upstream = ancestors(graph_def, [node.name])
+        upstream = reach.upstream(node.name, variable_readers)
         for reader in sorted(variable_readers - upstream):
-            if reader in downstream:
+            if reach.reaches(node.name, reader):
                 late += reader.split("/")[-1].startswith("remat_")
                 continue
             node.input.append("^" + reader)
-            readers_of[reader].append(node.name)
+            reach.add_edge(reader, node.name)
             added += 1
     return {"ordering_edges": added, "late_readers": late}
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -35,13 +36,14 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import Profile
-from graphfit.profiler.session import make_session, step_config, user_config
-from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.session import OpenSessions, step_config, user_config
+from graphfit.profiler.step_compare import WeightCheck, compare_steps
 from graphfit.profiler.trace import profile_graph
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepMeasurement", "measure_step", "paired_overhead", "measure_rewrite",
+__all__ = ["StepMeasurement", "measure_step", "paired_overhead", "paired_overheads",
+           "measure_rewrite",
            "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
@@ -50,6 +52,8 @@ __all__ = ["StepMeasurement", "measure_step", "paired_overhead", "measure_rewrit
 LOSS_RTOL = 1e-5
 GRADIENT_RTOL = 1e-4
 GRADIENT_ATOL_OF_MAX = 1e-5
+# ``paired_overheads``' name of the rewritten step among the originals' configurations.
+_REWRITTEN = "rewritten"
 
 
 @dataclasses.dataclass
@@ -82,7 +86,8 @@ class StepMeasurement:
 
 
 def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devices: int = 1,
-                 config: tf.compat.v1.ConfigProto | None = None) -> StepMeasurement:
+                 config: tf.compat.v1.ConfigProto | None = None,
+                 sessions: OpenSessions | None = None) -> StepMeasurement:
     """Run ``item``'s training step (update and loss) and measure its peak.
 
     ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
@@ -92,11 +97,13 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     project's configuration changes the user's step: without the dependency optimizer
     Keras's updates wait for the last gradient, and ``keras.applications.ResNet50`` (64x64,
     batch 8, SGD) added 135 MB instead of 79-86 MB (2026-12-06, ``bench/reconcile.py``).
+    ``sessions``: run in the pool's session of the step (``profiler.session.OpenSessions``).
     """
     config = config or step_config(item, num_cpu_devices)
-    profile = profile_graph(step_item(item), steps=steps, warmup=warmup, trace_every=steps,
-                            num_cpu_devices=num_cpu_devices, progress=None,
-                            session_factory=lambda graph: make_session(graph, config=config))
+    with OpenSessions.reuse(sessions) as pool:
+        profile = profile_graph(step_item(item), steps=steps, warmup=warmup, trace_every=steps,
+                                num_cpu_devices=num_cpu_devices, progress=None,
+                                session_factory=lambda graph: pool.borrow(graph, config))
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
     added = max(profile.metadata["allocator_added_bytes"], default=None)
@@ -107,30 +114,43 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
         step_time_us=statistics.median(times), profile=profile)
 
 
-def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
-                    warmup: int = 1, original_config: tf.compat.v1.ConfigProto | None = None,
-                    min_seconds: float = 2.0) -> tuple[float, float]:
-    """Median over the rounds (at least ``rounds``, and ``min_seconds`` of steps: short steps
-    need many) of (rewritten step time / original step time), the two steps run side by side
-    in two open sessions (``profiler.paired_timing``), and the original's median step time
-    (µs). The original runs with ``original_config`` (default: the project's
-    ``session_config``, as the rewritten step)."""
-    with make_session(original.graph, config=original_config) as first, \
-            make_session(rewritten.graph) as second:
+def paired_overheads(original: GraphItem, rewritten: GraphItem,
+                     original_configs: Mapping[str, tf.compat.v1.ConfigProto | None],
+                     rounds: int = 3, warmup: int = 1, min_seconds: float = 2.0,
+                     sessions: OpenSessions | None = None) -> dict[str, tuple[float, float]]:
+    """Per name of ``original_configs``: the median over the rounds of (rewritten step time /
+    the original's under that configuration; ``None``: the project's ``session_config``, as
+    the rewritten step), and that original's median step time (µs). Every step runs once per
+    round, side by side in open sessions (``profiler.paired_timing``), at least ``rounds``
+    rounds and ``min_seconds`` of steps (short steps need many rounds), so one rewritten
+    session serves every comparison; in ``sessions``' sessions, if given."""
+    with OpenSessions.reuse(sessions) as pool:
         steps = {}
-        for name, session, item in (("original", first, original),
-                                    ("rewritten", second, rewritten)):
+        for name, item, config in [*((name, original, config)
+                                     for name, config in original_configs.items()),
+                                   (_REWRITTEN, rewritten, None)]:
+            session = pool.get(item.graph, config)
             session.run(item.init_op)
             steps[name] = functools.partial(session.run, [item.train_op, item.loss],
                                             item.feed_dict())
-        summary = ratio_summary(paired_step_times(steps, rounds, warmup, min_seconds),
-                                "original")
-    return summary["rewritten"]["median"], summary["original"]["median_ms"] * 1e3
+        times = paired_step_times(steps, rounds, warmup, min_seconds)
+    return {name: (ratio_summary(times, name)[_REWRITTEN]["median"],
+                   statistics.median(times[name]) * 1e6) for name in original_configs}
+
+
+def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
+                    warmup: int = 1, original_config: tf.compat.v1.ConfigProto | None = None,
+                    min_seconds: float = 2.0) -> tuple[float, float]:
+    """``paired_overheads`` against one configuration of the original (default: the project's
+    ``session_config``, as the rewritten step)."""
+    return paired_overheads(original, rewritten, {"original": original_config}, rounds, warmup,
+                            min_seconds)["original"]
 
 
 def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                     baseline: StepMeasurement | None = None, steps: int = 4,
-                    warmup: int = 1) -> dict[str, Any]:
+                    warmup: int = 1, weights: WeightCheck | None = None,
+                    sessions: OpenSessions | None = None) -> dict[str, Any]:
     """Measure ``rewritten`` against ``original`` and against ``plan``'s predictions.
 
     Parameters:
@@ -139,6 +159,10 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         plan: the plan (its ``peak_bytes`` and ``overhead`` are the predictions).
         baseline: a measurement of ``original`` to reuse; ``None`` measures it.
         steps, warmup: as in ``measure_step``.
+        weights: also compare the variables after the step (``profiler.step_compare.
+            WeightCheck``), in the same runs as the loss and gradients: ``weights_match``,
+            ``max_abs_weight_diff``.
+        sessions: run the steps in the pool's sessions (``profiler.session.OpenSessions``).
 
     Returns:
         A JSON-ready report: budget, planned / measured peaks of both graphs by the ``ruler``
@@ -156,15 +180,18 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         profiler.step_compare.StepMismatchError: the rewritten step computes another loss or
             other gradients.
     """
-    baseline = baseline or measure_step(original, steps, warmup)
-    measured = measure_step(rewritten, steps, warmup)
+    baseline = baseline or measure_step(original, steps, warmup, sessions=sessions)
+    measured = measure_step(rewritten, steps, warmup, sessions=sessions)
     comparison = compare_steps(original, rewritten, rtol=GRADIENT_RTOL, atol=0.0,
-                               loss_rtol=LOSS_RTOL, atol_of_max=GRADIENT_ATOL_OF_MAX)
+                               loss_rtol=LOSS_RTOL, atol_of_max=GRADIENT_ATOL_OF_MAX,
+                               weights=weights)
     comparison.check()  # a rewrite that changes the loss or gradients is a bug, not a figure
-    rounds = max(steps, 3)
-    overhead, _ = paired_overhead(original, rewritten, rounds, warmup)
-    overhead_vs_user, user_step_us = paired_overhead(original, rewritten, rounds, warmup,
-                                                     original_config=user_config())
+    # Against both configurations of the original in the same rounds: the rounds a pair
+    # took apart (at least 2 s of steps each), in 1.5x the seconds, with one session less.
+    overheads = paired_overheads(original, rewritten, {"project": None, "user": user_config()},
+                                 max(steps, 3), warmup, min_seconds=3.0, sessions=sessions)
+    overhead, _ = overheads["project"]
+    overhead_vs_user, user_step_us = overheads["user"]
     return {
         "method": plan.method,
         "budget_bytes": int(plan.budget_bytes),
@@ -194,4 +221,6 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                                        / max(comparison.max_abs_gradient, 1e-30)),
         "seeded_random_ops": comparison.seeded_random_ops,
         "loss": comparison.loss_reference,
+        **({} if weights is None else {"weights_match": comparison.weights_equal,
+                                       "max_abs_weight_diff": comparison.max_abs_weight_diff}),
     }

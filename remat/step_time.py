@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.op_intervals import StepIntervals, op_intervals
-from graphfit.profiler.session import step_config, user_config
+from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.trace import step_fetches
 from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.executor_model import fit_sharing, simulate_step
@@ -202,19 +202,20 @@ def serial_chain(item: GraphItem, model: MemoryModel | None = None) -> GraphItem
 
 
 def trace_for_prediction(original: GraphItem, item: GraphItem, model: MemoryModel | None = None,
-                         rounds: int = 5, traced: int = 4, min_seconds: float = 3.0
-                         ) -> StepTraces:
+                         rounds: int = 5, traced: int = 4, min_seconds: float = 3.0,
+                         sessions: OpenSessions | None = None) -> StepTraces:
     """Trace ``item`` (the step a plan is made for: ``original`` after the graph passes) as it
     runs and as its ``serial_chain`` (by ``model``'s order, if given), and ``original`` as the
     user runs it (TF's defaults), for ``predict_step_time``: the untraced walls of all three
     side by side, at least ``rounds`` rounds and ``min_seconds`` (``op_intervals``); and fit
-    the replay's ``sharing`` to ``item``'s traced wall."""
+    the replay's ``sharing`` to ``item``'s traced wall. ``sessions``: run in the pool's
+    sessions (``profiler.session.OpenSessions``)."""
     chain = serial_chain(item, model)
     steps = {"concurrent": (step_item(item), step_config(item)),
              "serial": (step_item(chain), step_config(chain))}
     if original is not item:
         steps["user"] = (step_item(original), user_config())
-    intervals = op_intervals(steps, rounds, traced, min_seconds=min_seconds)
+    intervals = op_intervals(steps, rounds, traced, min_seconds=min_seconds, sessions=sessions)
     dependencies = step_dependencies(step_item(item))
     sharing = fit_sharing(dependencies, _durations(dependencies, intervals["serial"]),
                           _inter_op_threads(),

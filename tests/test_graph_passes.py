@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from graphfit.models.graph_item import GraphItem  # noqa: E402
+from graphfit.profiler.graph_def_walk import Reachability  # noqa: E402
 from graphfit.profiler.step_compare import compare_steps, compare_weights  # noqa: E402
 from graphfit.profiler.trace import profile_graph  # noqa: E402
 from graphfit.remat.early_updates import (apply_updates_early,  # noqa: E402
@@ -128,6 +129,18 @@ def test_every_read_of_the_old_value_precedes_the_update():
         assert readers and readers <= upstream, update.name
     again, record = order_updates_after_reads(early)
     assert again is early and record == {"ordering_edges": 0, "late_readers": 0}
+
+
+def test_reachability_follows_added_edges_downstream():
+    graph_def = tf.compat.v1.GraphDef()
+    for name, inputs in (("a", []), ("b", ["a"]), ("c", []), ("d", ["c:1"]), ("e", ["^d"])):
+        graph_def.node.add(name=name, op="NoOp", input=inputs)
+    reach = Reachability(graph_def, ["a", "b", "c"])
+    assert reach.upstream("e", ["a", "b", "c"]) == {"c"}
+    assert not reach.reaches("a", "e")
+    reach.add_edge("b", "d")          # b -> d: e now depends on a and b too
+    assert reach.upstream("e", ["a", "b", "c"]) == {"a", "b", "c"}
+    assert reach.reaches("a", "d") and not reach.reaches("c", "b")
 
 
 @pytest.mark.slow

@@ -115,3 +115,18 @@ def test_models_import_as_acyclic_cost_graphs():
     graph = cost_graph_from_graph(item.graph, step_fetches(item))
     assert graph.num_ops > 1000
     assert all(p < j for j in range(graph.num_ops) for p in graph.predecessors(j))
+
+
+def test_open_sessions_reuse_one_session_per_graph_and_configuration():
+    import tensorflow as tf
+
+    from graphfit.profiler.session import OpenSessions, user_config
+
+    first, second = tf.Graph(), tf.Graph()
+    with OpenSessions() as sessions:
+        session = sessions.get(first)
+        assert sessions.get(first) is session
+        assert sessions.get(first, user_config()) is not session
+        other = sessions.get(second)
+        sessions.keep_only([second])
+        assert sessions.get(second) is other and sessions.get(first) is not session

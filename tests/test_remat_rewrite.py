@@ -275,7 +275,7 @@ def test_memory_model_sees_identity_views_and_never_chains_constants():
     import tensorflow as tf
 
     from graphfit.models.graph_item import GraphItem
-    from graphfit.remat.tf_memory import expand_plan, trace_step, tf_memory_model
+    from graphfit.remat.tf_memory import expand_plan, trace_steps, tf_memory_model
 
     graph = tf.Graph()
     with graph.as_default():
@@ -291,7 +291,7 @@ def test_memory_model_sees_identity_views_and_never_chains_constants():
         init_op = tf.no_op(name="init")
     item = GraphItem(graph, train_op.name, loss.name, [], init_op.name,
                      {"x:0": np.ones([64, 64], np.float32)})
-    trace = trace_step(item)
+    trace = trace_steps(item)[0]
     # What a colleague's trace showed (Grappler, on in the project's session, folds both
     # away): the reshape at the constant's address, allocated.
     for name, allocated in (("ones", False), ("reshaped", True)):
