@@ -177,7 +177,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             key = u * num_devices + d
             if confirmed[key] != remaining:
                 confirmed[key] = remaining
-                now_ready = data_ready_us(u, d)
+                now_ready = data_ready_us(u, d, again=True)
                 if now_ready > ready + _EPS_US:  # a link got busier since the estimate
                     heapq.heappop(heap)
                     heapq.heappush(wait, (now_ready, prio, u))

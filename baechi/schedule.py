@@ -298,8 +298,8 @@ class ScheduleBuilder:
         self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
         self.channel_free = [0.0] * d                    # contention: per device
         self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
-        # u * D + device -> data_ready_us's inputs of a ready unit (local ready time, sends);
-        # with gated, late or transient sends it asks _incoming instead
+        # data_ready_us asks _incoming with gated, late or transient sends; otherwise it keeps
+        # u * D + device -> a ready unit's inputs (local ready time, sends)
         self._ready_from_incoming = late_sends or gates is not None or self.transient_copies
         self._ready_inputs: dict[int, tuple[float, list[tuple[float, int, float]]]] = {}
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
@@ -388,21 +388,25 @@ class ScheduleBuilder:
         k = bisect.bisect_right(ends, latest) - 1
         return self.units_on[src][k] if k >= 0 and ends[k] > available else -1
 
-    def data_ready_us(self, u: int, d: int) -> float:
+    def data_ready_us(self, u: int, d: int, again: bool = False) -> float:
         """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue):
         ``_incoming``'s time without its list of sends (the placers' hot query).
 
         m-ETF asks again for the same (unit, device) each time a link may have got busier
         (millions of times on a 100k-op graph), and only the channel times change between
-        those asks: what the inputs need (the local ready time and the sends, sorted, with
-        their costs) is kept until the unit is committed or one of its inputs reaches ``d``
-        (``_forget_ready``), so an ask is one pass over the sends."""
+        those asks: with ``again`` (a caller that asked before and may ask again), what the
+        inputs need (the local ready time and the sends, sorted, with their costs) is kept
+        until the unit is committed or one of its inputs reaches ``d`` (``_forget_ready``),
+        so such an ask is one pass over the sends. (Keeping every first ask cost a training
+        step, where few are asked again, more than it saved.)"""
         if self._ready_from_incoming:
             return self._incoming(u, d)[0]
         key = u * self.num_devices + d
         known = self._ready_inputs.get(key)
         if known is None:
-            known = self._ready_inputs[key] = self._ready_inputs_of(u, d)
+            known = self._ready_inputs_of(u, d)
+            if again:
+                self._ready_inputs[key] = known
         ready, needed = known
         if not needed:
             return ready
