@@ -115,7 +115,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                 queued[u] |= 1 << d
                 touched.add(d)
                 when = ready[d] if ready is not None else builder.data_ready_us(u, d)
-                confirmed[u * num_devices + d] = remaining
+                confirmed[u * num_devices + d] = builder.ready_epoch(d)
                 heapq.heappush(waiting[d], (when, priority[u], u))
 
     def on_ready(u: int) -> None:
@@ -151,10 +151,11 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     def candidate(d: int):
         """(start, priority, data ready, device, unit, heap) of device d's best unit.
 
-        A top whose estimate was not confirmed since the last commit is asked again (links
-        only get busier, so an estimate is a lower bound unless a copy of an input arrived)
-        and goes back to ``waiting`` when it got later: every device's candidate is then
-        exact, and one commit costs one pass over the few estimates that went stale."""
+        A top whose estimate was not confirmed since d's last ``ready_epoch`` is asked again
+        (links only get busier, so an estimate is a lower bound unless a copy of an input
+        arrived) and goes back to ``waiting`` when it got later: every device's candidate is
+        then exact, and one commit costs one pass over the few estimates that went stale."""
+        epoch = builder.ready_epoch(d)
         free = max(builder.device_free[d], builder.clock)
         wait, ok = waiting[d], startable[d]
         while True:
@@ -175,8 +176,8 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                     enqueue(u, (pinned,))
                 continue
             key = u * num_devices + d
-            if confirmed[key] != remaining:
-                confirmed[key] = remaining
+            if confirmed[key] != epoch:
+                confirmed[key] = epoch
                 now_ready = data_ready_us(u, d, again=True)
                 if now_ready > ready + _EPS_US:  # a link got busier since the estimate
                     heapq.heappop(heap)
@@ -185,8 +186,8 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             return (free if heap is ok else max(ready, free)), prio, ready, d, u, heap
 
     remaining = units.num_units
-    # confirmed[u * D + d]: ``remaining`` when u's estimate on d was last computed (it holds
-    # until the next commit).
+    # confirmed[u * D + d]: d's ready_epoch when u's estimate on d was last computed (it
+    # holds while the epoch does).
     confirmed = [-1] * (units.num_units * num_devices)
     for u in builder.initially_ready():
         on_ready(u)

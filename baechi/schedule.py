@@ -316,6 +316,7 @@ class ScheduleBuilder:
         self.final_frees = [_PendingReleases() for _ in range(d)]
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float, int, int]] = []
+        self.received = [0] * d                      # transfers into each device so far
         indegree = np.zeros(n, dtype=np.int64)
         np.add.at(indegree, units.edges[1], 1)
         self.missing_inputs = indegree.tolist()
@@ -427,6 +428,13 @@ class ScheduleBuilder:
             begin = max(available, sent.get(src, link[src][d]))
             sent[src] = begin + cost
         return max(ready, *sent.values())
+
+    def ready_epoch(self, d: int) -> int:
+        """A count that changes whenever ``data_ready_us(·, d)`` may have changed: only
+        transfers change it (channel times, copies that arrived), and with parallel links only
+        those into ``d``. m-ETF asks a stale-looking estimate again only when this moved (on
+        a training step most commits send nothing; with parallel links most send elsewhere)."""
+        return len(self.transfers) if self.contention else self.received[d]
 
     def _ready_inputs_of(self, u: int, d: int) -> tuple[float, list[tuple[float, int, float]]]:
         """What ``data_ready_us`` needs of ``u`` on ``d`` besides the channel times: when its
@@ -620,6 +628,7 @@ class ScheduleBuilder:
             self.link_free[src][d] = self.channel_free[src] = self.channel_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end, gate, u))
+            self.received[d] += 1
             if not self.transient_copies:
                 self.holders[t].append(d)
             key = t * dd + src
