@@ -238,24 +238,37 @@ def solve_favourite_lp(units: UnitGraph, link: LinkCost, solver: str = "highs",
     n = units.num_units
     p = units.compute_us
     order = units.topological_order
+    size = max(1, max_units_per_lp)
     window_of = np.empty(n, dtype=np.int64)
-    window_of[order] = np.arange(n) // max(1, max_units_per_lp)
+    window_of[order] = np.arange(n) // size
     local = np.empty(n, dtype=np.int64)
     x = np.ones(len(src))
-    start_us = np.zeros(n)
+    # Each window touches only the edges into its units (ascending, as the LP is built from
+    # them) and their delays: a window costs its own size, not the graph's (with 100 windows a
+    # pass over all edges per window took seconds on 100k units).
+    src_window, dst_window = window_of[src], window_of[dst]
+    into_window = np.argsort(dst_window, kind="stable")
+    window_offset = np.zeros(int(window_of.max(initial=-1)) + 2, dtype=np.int64)
+    np.cumsum(np.bincount(dst_window, minlength=len(window_offset) - 1), out=window_offset[1:])
+    by_dst = np.argsort(dst, kind="stable").tolist()
     in_offset = np.zeros(n + 1, dtype=np.int64)
-    by_dst = np.argsort(dst, kind="stable")
     np.cumsum(np.bincount(dst, minlength=n), out=in_offset[1:])
+    in_offset = in_offset.tolist()
+    src_l = src.tolist()
+    delay = (p[src] + comm * x).tolist()   # finish-to-start delay per edge under x
+    start_l = [0.0] * n                    # earliest starts implied by the solutions so far
     num_rows = num_cols = nnz = 0
     elapsed = 0.0
-    for k in range(int(window_of.max()) + 1 if n else 0):
-        members = order[window_of[order] == k]
+    for k in range(len(window_offset) - 1):
+        members = order[k * size:(k + 1) * size]
         local[members] = np.arange(len(members))
-        inside = np.flatnonzero((window_of[src] == k) & (window_of[dst] == k))
-        incoming = np.flatnonzero((window_of[src] < k) & (window_of[dst] == k))
+        into = into_window[window_offset[k]:window_offset[k + 1]]
+        inside = into[src_window[into] == k]
+        incoming = into[src_window[into] < k]
         s_lower = np.zeros(len(members))
         np.maximum.at(s_lower, local[dst[incoming]],
-                      start_us[src[incoming]] + p[src[incoming]] + comm[incoming])
+                      np.array([start_l[u] for u in src[incoming].tolist()])
+                      + p[src[incoming]] + comm[incoming])
         # Times in units of the largest cost keep the solvers well conditioned (cvxopt's
         # interior point stalls on raw microseconds).
         scale = max(float(p[members].max(initial=0.0)), float(comm[inside].max(initial=0.0)),
@@ -269,13 +282,14 @@ def solve_favourite_lp(units: UnitGraph, link: LinkCost, solver: str = "highs",
         x[inside] = np.clip(solution[:len(inside)], 0.0, 1.0)
         num_rows, num_cols, nnz = num_rows + a_ub.shape[0], num_cols + a_ub.shape[1], \
             nnz + a_ub.nnz
+        for e, value in zip(inside.tolist(),
+                            (p[src[inside]] + comm[inside] * x[inside]).tolist()):
+            delay[e] = value
         # Earliest starts implied by the solution, for the next windows' bounds.
-        delay = (p[src] + comm * x).tolist()
-        src_l, start_l = src.tolist(), start_us.tolist()
         for u in members.tolist():
-            edges = by_dst[in_offset[u]:in_offset[u + 1]].tolist()
-            start_l[u] = max((start_l[src_l[e]] + delay[e] for e in edges), default=0.0)
-        start_us = np.array(start_l)
+            start_l[u] = max((start_l[src_l[by_dst[j]]] + delay[by_dst[j]]
+                              for j in range(in_offset[u], in_offset[u + 1])), default=0.0)
+    start_us = np.array(start_l)
     return LPSolution(edges=units.edges, comm_us=comm, x=x,
                       makespan_us=float((start_us + p).max()) if n else 0.0,
                       num_rows=num_rows, num_cols=num_cols, nnz=nnz, solve_s=elapsed,

@@ -115,6 +115,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                 queued[u] |= 1 << d
                 touched.add(d)
                 when = ready[d] if ready is not None else builder.data_ready_us(u, d)
+                confirmed[u * num_devices + d] = builder.ready_epoch(d)
                 heapq.heappush(waiting[d], (when, priority[u], u))
 
     def on_ready(u: int) -> None:
@@ -144,54 +145,62 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             heapq.heapify(heap)
         queued[u] &= ~(1 << d)
 
-    def stale(u: int, d: int, heap: list) -> bool:
-        """Pop entries of committed units or units whose group went to another device."""
-        if builder.device[u] != -1:
-            drop(u, d, heap)
-            return True
-        pinned = builder.group_device[group[u]]
-        if pinned != -1 and pinned != d:
-            drop(u, d, heap)
-            enqueue(u, (pinned,))
-            return True
-        return False
+    placed, group_device = builder.device, builder.group_device
+    data_ready_us = builder.data_ready_us
 
     def candidate(d: int):
-        """(start, priority, data ready, device, unit, heap) of device d's best unit."""
+        """(start, priority, data ready, device, unit, heap) of device d's best unit.
+
+        A top whose estimate was not confirmed since d's last ``ready_epoch`` is asked again
+        (links only get busier, so an estimate is a lower bound unless a copy of an input
+        arrived) and goes back to ``waiting`` when it got later: every device's candidate is
+        then exact, and one commit costs one pass over the few estimates that went stale."""
+        epoch = builder.ready_epoch(d)
         free = max(builder.device_free[d], builder.clock)
         wait, ok = waiting[d], startable[d]
-        while wait and wait[0][0] <= free:
-            ready, prio, u = heapq.heappop(wait)
-            heapq.heappush(ok, (prio, ready, u))
-        while ok:
-            prio, ready, u = ok[0]
-            if not stale(u, d, ok):
-                return free, prio, ready, d, u, ok
-        while wait:
-            ready, prio, u = wait[0]
-            if not stale(u, d, wait):
-                return max(ready, free), prio, ready, d, u, wait
-        return None
+        while True:
+            while wait and wait[0][0] <= free:
+                ready, prio, u = heapq.heappop(wait)
+                heapq.heappush(ok, (prio, ready, u))
+            if ok:
+                heap, (prio, ready, u) = ok, ok[0]
+            elif wait:
+                heap, (ready, prio, u) = wait, wait[0]
+            else:
+                return None
+            pinned = group_device[group[u]]
+            if placed[u] != -1 or pinned != -1 and pinned != d:
+                # committed, or its group went to another device
+                drop(u, d, heap)
+                if placed[u] == -1:
+                    enqueue(u, (pinned,))
+                continue
+            key = u * num_devices + d
+            if confirmed[key] != epoch:
+                confirmed[key] = epoch
+                now_ready = data_ready_us(u, d, again=True)
+                if now_ready > ready + _EPS_US:  # a link got busier since the estimate
+                    heapq.heappop(heap)
+                    heapq.heappush(wait, (now_ready, prio, u))
+                    continue
+            return (free if heap is ok else max(ready, free)), prio, ready, d, u, heap
 
+    remaining = units.num_units
+    # confirmed[u * D + d]: d's ready_epoch when u's estimate on d was last computed (it
+    # holds while the epoch does).
+    confirmed = [-1] * (units.num_units * num_devices)
     for u in builder.initially_ready():
         on_ready(u)
-    remaining = units.num_units
-    # Each device's best candidate, recomputed only for the devices whose state changed: a
-    # stale estimate re-queued on d changes d's heaps only, anything else may change all.
     candidates = [None] * num_devices
-    # The (unit, device) whose estimate the previous iteration refreshed and nothing changed
-    # since: its re-check would give the same time.
-    changed, checked = all_devices, None
     while remaining:
         touched.clear()
-        for d in changed:
+        for d in all_devices:
             candidates[d] = candidate(d)
-        while touched and touched.difference(changed):  # a unit moved to its group's device
-            changed = sorted(touched)
+        while touched:  # a unit moved to its group's device
+            redo = sorted(touched)
             touched.clear()
-            for d in changed:
+            for d in redo:
                 candidates[d] = candidate(d)
-        changed, fresh, checked = all_devices, checked, None
         best = min(filter(None, candidates), default=None)  # devices differ: no tie past d
         if best is None:
             if any(held):  # nothing else can run: let the held-back units use all memory
@@ -217,14 +226,6 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                     enqueue(u, devs)
             continue
         start, _, ready, d, u, heap = best
-        if (u, d) != fresh:
-            now_ready = builder.data_ready_us(u, d)
-            if now_ready > ready + _EPS_US:  # a link got busier since the estimate
-                drop(u, d, heap)
-                queued[u] |= 1 << d
-                heapq.heappush(waiting[d], (now_ready, priority[u], u))
-                changed, checked = (d,), (u, d)
-                continue
         drop(u, d, heap)
         if builder.advance(start):
             _requeue(blocked, enqueue)

@@ -33,9 +33,10 @@ from graphfit.errors import GraphfitError
 
 if TYPE_CHECKING:
     from graphfit.baechi.schedule import Schedule
+    from graphfit.profiler.cost_graph import CostGraph
 
-__all__ = ["MEMORY_MODELS", "MemoryModelError", "check_memory_model", "device_peak_bytes",
-           "device_timelines"]
+__all__ = ["MEMORY_MODELS", "MemoryModelError", "check_memory_model", "colive_lower_bound_bytes",
+           "device_peak_bytes", "device_timelines"]
 
 MEMORY_MODELS = ("liveness", "static", "shared")
 
@@ -172,3 +173,60 @@ def device_timelines(schedule: "Schedule") -> list[tuple[np.ndarray, np.ndarray]
                 for d in range(len(s.devices))]
     return [(np.concatenate([[0.0], times]), persistent[d] + np.concatenate([[0], level]))
             for d, (times, level) in enumerate(_liveness_levels(s))]
+
+
+def colive_lower_bound_bytes(graph: "CostGraph", num_devices: int,
+                             candidates: int = 16) -> tuple[int, int]:
+    """A per-device limit below which no placement of ``graph`` on ``num_devices`` devices
+    fits under the liveness model, and the op that shows it: ``(bytes, op index)``.
+
+    Why: when every placer refuses a limit (even the repair step's topological order), this
+    says whether a better placer could have done it. When an op ``v`` starts, whatever the
+    devices and the order, these bytes exist on some device: all persistent bytes (held all
+    step), ``v``'s outputs and temporary bytes, and every tensor an ancestor of ``v``
+    produced that ``v`` or a descendant of ``v`` still reads (or that is fetched). So some
+    device holds at least their sum / ``num_devices`` then. The bound holds at every op; it
+    is computed at the ``candidates`` ops where the step run in op order holds the most,
+    where it is largest in practice.
+    """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import breadth_first_order
+
+    n, num_tensors = graph.num_ops, graph.num_tensors
+    reads = [(int(t), j) for j in range(n) for t in dict.fromkeys(graph.op_inputs(j).tolist())]
+    read_tensor = np.array([t for t, _ in reads], dtype=np.int64)
+    reader = np.array([j for _, j in reads], dtype=np.int64)
+    control = [(int(i), j) for j in range(n) for i in graph.control_inputs(j).tolist()]
+    src = np.concatenate([graph.tensor_producer[read_tensor],
+                          np.array([i for i, _ in control], dtype=np.int64)])
+    dst = np.concatenate([reader, np.array([j for _, j in control], dtype=np.int64)])
+    forward = csr_matrix((np.ones(len(src)), (src, dst)), shape=(n, n))
+    backward = forward.T.tocsr()
+    held = graph.persistent_bytes.sum()
+    counted = ~graph.tensor_persistent  # a persistent output counts with the persistent bytes
+    # The step in op order (ops are stored topologically): a tensor lives from its producer
+    # to its last reader (a fetched one to the end).
+    last = graph.tensor_producer.astype(np.int64).copy()
+    np.maximum.at(last, read_tensor, reader)
+    last[graph.tensor_fetched] = n
+    change = np.zeros(n + 2, dtype=np.int64)
+    np.add.at(change, graph.tensor_producer + 1, np.where(counted, graph.tensor_bytes, 0))
+    np.add.at(change, last + 1, -np.where(counted, graph.tensor_bytes, 0))
+    in_order = np.cumsum(change)[:n] + graph.temp_bytes
+    best = (0, 0)
+    for v in np.argsort(-in_order, kind="stable")[:candidates].tolist():
+        before = np.zeros(n, dtype=bool)
+        before[breadth_first_order(backward, v, return_predecessors=False)] = True
+        before[v] = False
+        later = np.zeros(n, dtype=bool)
+        later[breadth_first_order(forward, v, return_predecessors=False)] = True
+        read_later = np.zeros(num_tensors, dtype=bool)
+        read_later[read_tensor[later[reader]]] = True
+        alive = counted & before[graph.tensor_producer] & (read_later | graph.tensor_fetched)
+        outputs = graph.op_outputs(v)
+        total = (held + graph.tensor_bytes[alive].sum() + graph.temp_bytes[v]
+                 + graph.tensor_bytes[outputs][counted[outputs]].sum())
+        bound = -(-int(total) // num_devices)
+        if bound > best[0]:
+            best = (bound, v)
+    return best

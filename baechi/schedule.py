@@ -298,6 +298,10 @@ class ScheduleBuilder:
         self.link_free = [[0.0] * d for _ in range(d)]   # parallel: per ordered pair
         self.channel_free = [0.0] * d                    # contention: per device
         self.arrival: dict[int, float] = {}          # t * D + device -> time the copy is there
+        # data_ready_us asks _incoming with gated, late or transient sends; otherwise it keeps
+        # u * D + device -> a ready unit's inputs (local ready time, sends)
+        self._ready_from_incoming = late_sends or gates is not None or self.transient_copies
+        self._ready_inputs: dict[int, tuple[float, list[tuple[float, int, float]]]] = {}
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
         self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
         self.remaining = [len(c) for c in self._consumers]
@@ -312,6 +316,7 @@ class ScheduleBuilder:
         self.final_frees = [_PendingReleases() for _ in range(d)]
         self.clock = 0.0
         self.transfers: list[tuple[int, int, int, float, float, int, int]] = []
+        self.received = [0] * d                      # transfers into each device so far
         indegree = np.zeros(n, dtype=np.int64)
         np.add.at(indegree, units.edges[1], 1)
         self.missing_inputs = indegree.tolist()
@@ -384,11 +389,57 @@ class ScheduleBuilder:
         k = bisect.bisect_right(ends, latest) - 1
         return self.units_on[src][k] if k >= 0 and ends[k] > available else -1
 
-    def data_ready_us(self, u: int, d: int) -> float:
+    def data_ready_us(self, u: int, d: int, again: bool = False) -> float:
         """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue):
-        ``_incoming``'s time without its list of sends (the placers' hot query)."""
-        if self.late_sends or self.gates is not None or self.transient_copies:
+        ``_incoming``'s time without its list of sends (the placers' hot query).
+
+        m-ETF asks again for the same (unit, device) each time a link may have got busier
+        (millions of times on a 100k-op graph), and only the channel times change between
+        those asks: with ``again`` (a caller that asked before and may ask again), what the
+        inputs need (the local ready time and the sends, sorted, with their costs) is kept
+        until the unit is committed or one of its inputs reaches ``d`` (``_forget_ready``),
+        so such an ask is one pass over the sends. (Keeping every first ask cost a training
+        step, where few are asked again, more than it saved.)"""
+        if self._ready_from_incoming:
             return self._incoming(u, d)[0]
+        key = u * self.num_devices + d
+        known = self._ready_inputs.get(key)
+        if known is None:
+            known = self._ready_inputs_of(u, d)
+            if again:
+                self._ready_inputs[key] = known
+        ready, needed = known
+        if not needed:
+            return ready
+        if self.contention:  # d's channel takes them one by one (a source's earlier send too)
+            channel = self.channel_free
+            received = channel[d]
+            for available, src, cost in needed:
+                begin = channel[src]
+                if available > begin:
+                    begin = available
+                if received > begin:
+                    begin = received
+                received = begin + cost
+            return received if received > ready else ready
+        sent: dict[int, float] = {}
+        link = self.link_free
+        for available, src, cost in needed:
+            begin = max(available, sent.get(src, link[src][d]))
+            sent[src] = begin + cost
+        return max(ready, *sent.values())
+
+    def ready_epoch(self, d: int) -> int:
+        """A count that changes whenever ``data_ready_us(·, d)`` may have changed: only
+        transfers change it (channel times, copies that arrived), and with parallel links only
+        those into ``d``. m-ETF asks a stale-looking estimate again only when this moved (on
+        a training step most commits send nothing; with parallel links most send elsewhere)."""
+        return len(self.transfers) if self.contention else self.received[d]
+
+    def _ready_inputs_of(self, u: int, d: int) -> tuple[float, list[tuple[float, int, float]]]:
+        """What ``data_ready_us`` needs of ``u`` on ``d`` besides the channel times: when its
+        inputs already there are ready, and the sends of the others in ``_incoming``'s order
+        (available, source, cost)."""
         ready = 0.0
         needed = []
         dd, device, finish, arrival = self.num_devices, self.device, self.finish, self.arrival
@@ -405,26 +456,22 @@ class ScheduleBuilder:
                     continue
             if when > ready:
                 ready = when
-        if not needed:
-            return ready
         needed.sort()
         a, b, t_comm = self._a, self._b, self._t_comm
-        if self.contention:  # d's channel takes them one by one (a source's earlier send too)
-            channel = self.channel_free
-            received = channel[d]
-            for available, t, src in needed:
-                begin = channel[src]
-                if available > begin:
-                    begin = available
-                if received > begin:
-                    begin = received
-                received = begin + (a[src][d] * t_comm[t] + b[src][d])
-            return received if received > ready else ready
-        sent: dict[int, float] = {}
-        for available, t, src in needed:
-            begin = max(available, sent.get(src, self.link_free[src][d]))
-            sent[src] = begin + (a[src][d] * t_comm[t] + b[src][d])
-        return max(ready, *sent.values())
+        return ready, [(available, src, a[src][d] * t_comm[t] + b[src][d])
+                       for available, t, src in needed]
+
+    def _forget_ready(self, u: int, arrived: list[tuple[int, int]]) -> None:
+        """Drop ``data_ready_us``'s kept inputs of ``u`` (committed) and of the readers of
+        each (tensor, device) copy in ``arrived`` on that device."""
+        if not self._ready_inputs:
+            return
+        dd, kept = self.num_devices, self._ready_inputs
+        for d in range(dd):
+            kept.pop(u * dd + d, None)
+        for t, d in arrived:
+            for v in self._consumers[t]:
+                kept.pop(v * dd + d, None)
 
     def shortfall_bytes(self, u: int, d: int) -> int:
         """Bytes by which unit ``u`` does not fit on device ``d`` now (<= 0: it fits).
@@ -581,12 +628,14 @@ class ScheduleBuilder:
             self.link_free[src][d] = self.channel_free[src] = self.channel_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end, gate, u))
+            self.received[d] += 1
             if not self.transient_copies:
                 self.holders[t].append(d)
             key = t * dd + src
             if self.last_use.get(key, 0.0) < t_end:
                 self.last_use[key] = t_end
             self._charge(d, self._t_bytes[t])
+        self._forget_ready(u, [(t, d) for t, *_ in sends])
         self._charge(d, self._out_bytes[u] + self._temp[u])
         self._release_later(end, d, self._temp[u])
         for t in self._inputs[u]:

@@ -13,12 +13,17 @@ Sections (``out/bench/placement.json``, plot ``out/bench/placement.png``):
   not, makespan / lower bound, the peak of an independent replay of the placement (devices,
   order, send gates, waits) against the limit; and m-TOPO's own tightest limit (bisected) with
   its makespan there, and the placer's makespan over that one. ``floor`` is the largest
-  single-op working set (inputs + output) / (sequential peak / 4): no placement can go below
-  it.
+  single-op working set (inputs + output) / (sequential peak / 4), ``colive_floor`` the
+  co-live lower bound (``baechi.memory.colive_lower_bound_bytes``) / (sequential peak / 4):
+  no placement can go below either.
 - ``variants``: the ``tight`` measurements on other members of the generated families, 4
   seeds each (``VARIANTS``: narrow and wide layers, random windows of 50, 200 and 2,000, fork-join
   with few short branches and with many, training-like with dense residuals), 1,000-2,000
   ops, both placers and both link models.
+- ``lower_bound``: layered and training-like graphs of 8,000 ops at 1.25 x (sequential peak
+  / 4) and, where there are variables, at 1.25 x (sequential peak less the persistent bytes /
+  4), m-ETF and m-SCT with
+  contention: placed (and the replay's peak) or refused, beside the co-live lower bound.
 - ``scale``: m-ETF and m-SCT on 100,000-op graphs (training-like, layered, random), each in a
   fresh process, with wall and CPU seconds and the process's peak RSS.
 - ``planned_vs_measured``: small models profiled on one device, placed with m-ETF on a local TF
@@ -51,6 +56,7 @@ import numpy as np  # noqa: E402
 
 from graphfit.bench import RESULTS_DIR
 from graphfit.baechi.devices import LINK_MODELS, DeviceSet, default_device_names  # noqa: E402
+from graphfit.baechi.memory import colive_lower_bound_bytes  # noqa: E402
 from graphfit.baechi.place import (METHODS, PlacementError, makespan_lower_bound_us,  # noqa: E402
                                    place)
 from graphfit.baechi.schedule import simulate  # noqa: E402
@@ -69,6 +75,12 @@ TIGHT_RATIO = 1.1
 SIZES = (500, 2_000, 8_000, 20_000)
 QUICK_SIZES = (500, 2_000)
 SCALE_OPS = 100_000
+# The ``lower_bound`` section: 8k-op graphs at this ratio of two bases, the sequential peak
+# and the sequential peak less the persistent bytes (issue 33's refused case: variables
+# counted as the graph gives them, the limit from the rest).
+BOUND_RATIO = 1.25
+BOUND_GRAPHS = ("layered", "training_like")
+BOUND_OPS = 8_000
 BISECTION_STEPS = 7
 # The families: layered (256 ops a layer), random (each op reads 1-3 of the 500 ops before
 # it), training-like and fork-join (64 branches a stage) have live sets much larger than one
@@ -171,6 +183,7 @@ def _tight(label, graph) -> list[dict]:
     seq = sequential_peak_bytes(graph)
     limit = int(TIGHT_RATIO * seq / NUM_DEVICES)
     floor = working_set_floor_bytes(graph) / (seq / NUM_DEVICES)
+    colive = colive_lower_bound_bytes(graph, NUM_DEVICES)[0] / (seq / NUM_DEVICES)
     lower = makespan_lower_bound_us(graph, NUM_DEVICES)
     ops = UnitGraph.singletons(graph, np.arange(graph.num_ops))
     rows = []
@@ -180,7 +193,7 @@ def _tight(label, graph) -> list[dict]:
             devices = _devices(limit, link_model)
             row = {"graph": label, "num_ops": graph.num_ops, "method": method,
                    "link_model": link_model, "ratio": TIGHT_RATIO, "limit_bytes": limit,
-                   "sequential_peak_bytes": seq, "floor": floor,
+                   "sequential_peak_bytes": seq, "floor": floor, "colive_floor": colive,
                    "m_topo_tightest_ratio": topo_ratio,
                    "m_topo_makespan_at_tightest_us": topo_makespan}
             try:
@@ -202,6 +215,42 @@ def _tight(label, graph) -> list[dict]:
                     f"{row['wall_s']:.1f} s" if row["placed"] else "not placed")
             print(f"{label:>20} {link_model:>10} {method:>6} @{TIGHT_RATIO} (floor {floor:.2f},"
                   f" m_topo tightest {topo_ratio:.2f}): {what}", flush=True)
+    return rows
+
+
+def _lower_bound(label, graph) -> list[dict]:
+    """Place at ``BOUND_RATIO`` x each base / 4 with m-ETF and m-SCT (contention), replay what
+    places, and set the co-live lower bound (``baechi.memory.colive_lower_bound_bytes``)
+    beside the limit: a refusal under a limit below the bound is no placer's fault."""
+    seq = sequential_peak_bytes(graph)
+    bound, at = colive_lower_bound_bytes(graph, NUM_DEVICES)
+    ops = UnitGraph.singletons(graph, np.arange(graph.num_ops))
+    rows = []
+    bases = {"sequential_peak": seq}
+    if graph.persistent_bytes.any():
+        bases["sequential_peak_less_persistent"] = seq - int(graph.persistent_bytes.sum())
+    for base, base_bytes in bases.items():
+        limit = int(BOUND_RATIO * base_bytes / NUM_DEVICES)
+        for method in ("m_etf", "m_sct"):
+            devices = _devices(limit, "contention")
+            row = {"graph": label, "num_ops": graph.num_ops, "method": method,
+                   "link_model": "contention", "base": base, "ratio": BOUND_RATIO,
+                   "limit_bytes": limit, "colive_bound_bytes": bound,
+                   "colive_bound_at": graph.names[at], "bound_over_limit": bound / limit}
+            try:
+                p, wall, cpu = _timed_place(graph, devices, method=method)
+                replay = simulate(ops, devices, p.device_index, p.schedule.order,
+                                  **p.schedule.replay_options())
+                row.update(placed=True, wall_s=wall, cpu_s=cpu,
+                           replay_peak_over_limit=float(replay.peak_bytes.max() / limit))
+                what = f"placed, replay peak/limit {row['replay_peak_over_limit']:.3f}"
+            except PlacementError as e:
+                row.update(placed=False, error=str(e)[:300])
+                what = "not placed"
+            rows.append(row)
+            print(f"{label:>20} {method:>6} at {BOUND_RATIO} x {base} / {NUM_DEVICES}: {what}; "
+                  f"co-live bound / limit {row['bound_over_limit']:.3f} (at "
+                  f"{row['colive_bound_at']})", flush=True)
     return rows
 
 
@@ -361,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     ``--quick``: graphs up to 2,000 ops only."""
     argv = list(argv or [])
     quick = "--quick" in argv
-    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "variants", "scale",
+    sections = [a for a in argv if a != "--quick"] or ["quality", "tight", "variants",
+                                                       "lower_bound", "scale",
                                                        "planned_vs_measured"]
     sizes = QUICK_SIZES if quick else SIZES
     began = time.perf_counter()
@@ -377,11 +427,15 @@ def main(argv: list[str] | None = None) -> None:
         for name, make in VARIANTS.items():
             for seed in VARIANT_SEEDS:
                 result["variants"] += _tight(f"{name}_s{seed}", make(seed))
+    if "lower_bound" in sections:
+        for family in BOUND_GRAPHS:
+            result["lower_bound"] += _lower_bound(f"{family}_{BOUND_OPS}",
+                                                  FAMILIES[family](BOUND_OPS))
     if "scale" in sections:
         result["scale"] = _scale()
     if "planned_vs_measured" in sections:
         result["planned_vs_measured"], result["calibration"] = _planned_vs_measured()
-    merged = {"quality": [], "tight": [], "variants": [], "scale": [],
+    merged = {"quality": [], "tight": [], "variants": [], "lower_bound": [], "scale": [],
               "planned_vs_measured": [], "calibration": []}
     if os.path.exists(RESULT_PATH):  # a partial run keeps the other sections' results
         with open(RESULT_PATH) as f:

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from graphfit.baechi.devices import DeviceSet
-from graphfit.baechi.memory import device_timelines
+from graphfit.baechi.memory import colive_lower_bound_bytes, device_timelines
 from graphfit.baechi.schedule import PlacementError, RuntimeCosts, ScheduleBuilder, simulate
 from graphfit.baechi.units import UnitGraph
+from graphfit.profiler import synthetic
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 
 
@@ -208,3 +209,28 @@ def test_runtime_costs_add_a_step_cost_a_cost_per_op_and_share_the_cores():
     assert one_core.makespan_us == pytest.approx(sum(s.compute_us for s in specs))
     finish = sorted(zip(one_core.start_us.tolist(), one_core.finish_us.tolist()))
     assert all(b[0] >= a[1] for a, b in zip(finish, finish[1:]))  # never two at once
+
+
+def test_colive_lower_bound_by_hand():
+    # at c: the variable's 1000 persistent bytes, a's output (read by c), b's and c's outputs
+    # (not the variable's handle: nobody reads it, it died with v)
+    g = CostGraph.from_ops([
+        OpSpec("v", "VarHandleOp", output_bytes=[8], persistent_bytes=1000, is_variable=True),
+        OpSpec("a", "X", output_bytes=[100], compute_us=1),
+        OpSpec("b", "X", inputs=[("a", 0)], output_bytes=[10], compute_us=1),
+        OpSpec("c", "X", inputs=[("a", 0), ("b", 0)], output_bytes=[1], compute_us=1)])
+    bound, at = colive_lower_bound_bytes(g, 2)
+    assert (bound, g.names[at]) == (-(-(1000 + 100 + 10 + 1) // 2), "c")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_placement_peaks_below_the_colive_lower_bound(seed):
+    graph = (synthetic.training_like(120, seed=seed) if seed % 2
+             else synthetic.random_dag(80, seed=seed, window=8))
+    rng = np.random.default_rng(seed)
+    devices = _devices(3)
+    bound, _ = colive_lower_bound_bytes(graph, 3)
+    units = UnitGraph.singletons(graph, np.arange(graph.num_ops))
+    for _ in range(5):
+        s = simulate(units, devices, rng.integers(0, 3, size=graph.num_ops))
+        assert s.peak_bytes.max() >= bound
