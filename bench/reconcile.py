@@ -152,6 +152,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
     from graphfit.pipeline import optimize
     from graphfit.profiler.session import onednn_enabled
     from graphfit.profiler.tf_function import to_callable
+    from graphfit.profiler.trace import ONEDNN_UNCOUNTED_BYTES
 
     if name in ZOO_MODELS:
         zoo, preset, knobs = ZOO_MODELS[name]
@@ -201,6 +202,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         remat["measured_resident_bytes"] + rewritten_added)
     return {
         "model": name, "onednn": onednn_enabled(), "ratio": ratio, "ruler": remat["ruler"],
+        # The allocator's readings below leave out every buffer smaller than this.
+        "allocator_uncounted_below_bytes": ONEDNN_UNCOUNTED_BYTES if onednn_enabled() else 0,
         "resident_bytes": resident,
         "report_baseline_bytes": remat["baseline_peak_bytes"],
         "report_baseline_records_bytes": remat["baseline_records_peak_bytes"],
