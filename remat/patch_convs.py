@@ -5,19 +5,19 @@ vision transformers' "patchify" stem, ConvNeXt's 2x2 downsampling layers), reads
 pixel once: it is a matrix product of the input's non-overlapping patches with the filter.
 With oneDNN off, TF's default CPU kernels for its gradients still unfold patches into a column
 buffer sized for 30 MiB of work whatever the batch (``remat.conv_grad_kernels`` says where),
-and Eigen's kernel, which needs none, is 2-20x slower on strided gradients. Measured on this
+and Eigen's kernel, which needs none, is 2-25x slower on strided gradients. Measured on this
 2-core machine (2026-12-06, oneDNN off, BFC allocator, float32, one filter gradient, median of
-9 runs):
+9-15 runs on the loaded VM; ms and MiB the op adds):
 
-===================================  =====================  ====================
-input, filter, stride                default kernel         ``eigen_tensor``
-===================================  =====================  ====================
-8x64²x3, 4x4x3x32, 4                 1.1 ms, 32.0 MiB       27.7 ms, 0 MiB
-8x64²x32, 2x2x32x64, 2               7.2 ms, 32.0 MiB       17.1 ms, 0 MiB
-===================================  =====================  ====================
+==========================  =================  ==================  ===================
+input, filter, stride       default kernel     ``eigen_tensor``    patches (this pass)
+==========================  =================  ==================  ===================
+8x64²x3, 4x4x3x32, 4        0.7-1.1, 32.0      27.7, 0             1.1, 0.4
+8x64²x32, 2x2x32x64, 2      7.2-18.3, 32.0     17.1, 0             7.6, 4.0
+==========================  =================  ==================  ===================
 
 On the ConvNeXt-style step of ``bench.reconcile`` (64², batch 8, SGD) the stem's filter
-gradient alone needed 32 MiB of its 36 MiB step, so no plan at half the step existed (the
+gradient alone took 32 MiB (33.6 MB) of the 37 MB the step adds, so no plan at half of it existed (the
 planner's floor was 33.1 MiB against a budget of 18.5 MiB).
 
 ``SpaceToDepth`` with the kernel size as its block puts each patch's pixels on the channel
