@@ -17,8 +17,8 @@ input, filter, stride       default kernel     ``eigen_tensor``    patches (this
 ==========================  =================  ==================  ===================
 
 On the ConvNeXt-style step of ``bench.reconcile`` (64², batch 8, SGD) the stem's filter
-gradient alone took 32 MiB (33.6 MB) of the 37 MB the step adds, so no plan at half of it existed (the
-planner's floor was 33.1 MiB against a budget of 18.5 MiB).
+gradient alone took 32 MiB (33.6 MB) of the 37 MB the step adds, so no plan at half of it
+existed (the planner's floor was 33.1 MiB against a budget of 18.5 MiB).
 
 ``SpaceToDepth`` with the kernel size as its block puts each patch's pixels on the channel
 axis in the order ``(row, column, channel)`` of an ``HWIO`` filter flattened to
