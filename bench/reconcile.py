@@ -98,10 +98,11 @@ ZOO_MODELS = {
 }
 
 
-def _allocator_added(call, calls: int = 4) -> int | None:
-    """The largest of ``calls`` allocator readings (``remat.measure.measure_step`` reads its
-    steps alike: the peak varies with the order the inter-op threads run the ops, 79-97 MB
-    over 12 calls of ``ResNet50``'s step)."""
+def _allocator_readings(call, calls: int = 4) -> list[int] | None:
+    """What each of ``calls`` calls adds by the allocator; the row takes the largest
+    (``remat.measure.measure_step`` reads its steps alike: the peak varies with the order the
+    inter-op threads run the ops, 79-97 MB over 12 calls of ``ResNet50``'s step) and keeps all
+    of them, to show the spread."""
     from graphfit.profiler.trace import AllocatorPeak
 
     readings = []
@@ -109,7 +110,7 @@ def _allocator_added(call, calls: int = 4) -> int | None:
         with AllocatorPeak() as allocator:
             call()
         readings.append(allocator.added_bytes)
-    return None if None in readings else max(readings)
+    return None if None in readings else readings
 
 
 def _keras_steps(name: str):
@@ -151,6 +152,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
     from graphfit.pipeline import optimize
     from graphfit.profiler.session import onednn_enabled
     from graphfit.profiler.tf_function import to_callable
+    from graphfit.profiler.trace import ONEDNN_UNCOUNTED_BYTES
 
     if name in ZOO_MODELS:
         zoo, preset, knobs = ZOO_MODELS[name]
@@ -165,7 +167,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
             v.assign(value)
 
     user_step()
-    user_added = _allocator_added(user_step)
+    user_readings = _allocator_readings(user_step)
+    user_added = user_readings and max(user_readings)
     result = optimize(item, memory_ratio=ratio, progress=None)
     remat = result.report()["remat"]
     if variables:
@@ -175,7 +178,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         step = _session_step(result.item)
     restore()
     step()
-    rewritten_added = _allocator_added(step)
+    rewritten_readings = _allocator_readings(step)
+    rewritten_added = rewritten_readings and max(rewritten_readings)
     row = {}
     if variables:       # the user's own step against the rewritten one, from the same weights
         losses, after = {}, {}
@@ -198,6 +202,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         remat["measured_resident_bytes"] + rewritten_added)
     return {
         "model": name, "onednn": onednn_enabled(), "ratio": ratio, "ruler": remat["ruler"],
+        # The allocator's readings below leave out every buffer smaller than this.
+        "allocator_uncounted_below_bytes": ONEDNN_UNCOUNTED_BYTES if onednn_enabled() else 0,
         "resident_bytes": resident,
         "report_baseline_bytes": remat["baseline_peak_bytes"],
         "report_baseline_records_bytes": remat["baseline_records_peak_bytes"],
@@ -214,6 +220,9 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         "report_gradients_match": remat["gradients_match"],
         "report_max_relative_gradient_diff": remat["max_relative_gradient_diff"],
         "num_recomputes": remat["num_recomputes"],
+        "floating_events": remat["side_by_side_events"],
+        "allocator_user_added_readings": user_readings,
+        "allocator_rewritten_added_readings": rewritten_readings,
     }
 
 

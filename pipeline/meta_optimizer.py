@@ -4,10 +4,11 @@ Like Grappler's meta optimizer, a list of named, independent passes transforms o
 ``GraphItem``; each can be skipped, says whether it changed anything, and checks what it
 promises:
 
-- ``conv_grad_kernels``, ``flat_matmuls``, ``grad_accumulation``, ``early_updates``
-  (``remat.pipeline.GRAPH_PASSES``): free memory no recomputation can, before profiling: run
-  stride-1 convolution gradients with TF's kernels that need no scratch buffer
-  (``remat.conv_grad_kernels``), batch products against one shared matrix and their weight
+- ``patch_convs``, ``conv_grad_kernels``, ``flat_matmuls``, ``grad_accumulation``,
+  ``early_updates`` (``pipeline.passes.GRAPH_PASSES``): free memory no recomputation can,
+  before profiling: compute patchify convolutions' gradients as matrix products
+  (``remat.patch_convs``), run stride-1 convolution gradients with TF's kernels that need no
+  scratch buffer (``remat.conv_grad_kernels``), batch products against one shared matrix and their weight
   gradients as one matrix product (``remat.flat_matmuls``), sum gradient contributions as they arrive
   (``remat.grad_accumulation``), apply each optimizer update as soon as its gradient exists
   (``remat.early_updates``). Run when there is a memory budget.

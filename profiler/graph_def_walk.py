@@ -2,8 +2,9 @@
 
 ``remat.grad_accumulation`` and ``remat.early_updates`` edit a ``GraphDef`` node by node (like
 Grappler's optimizers edit a ``GraphDef`` in C++) and rebuild a ``tf.Graph`` from it. They share
-what is here: reading an input name, a topological order of the nodes, reachability, and the
-rebuild with its checks.
+what is here: reading an input name, a topological order of the nodes, reachability, the
+rebuild with its checks, and the nodes the passes that replace an op by matrix products build
+(``remat.flat_matmuls``, ``remat.patch_convs``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 
+import numpy as np
 import tensorflow as tf
 
 from graphfit.errors import GraphfitError
@@ -18,7 +20,8 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import EXACT_GRAPH
 
 __all__ = ["GraphDefPassError", "split_input", "topological_order", "production_depth",
-           "successors", "ancestors", "Reachability", "rebuild"]
+           "successors", "ancestors", "Reachability", "rebuild", "const_node",
+           "reshape_nodes", "matmul_node"]
 
 
 class GraphDefPassError(GraphfitError, ValueError):
@@ -169,3 +172,32 @@ def rebuild(item: GraphItem, graph_def: tf.compat.v1.GraphDef, config_key: str,
     if exact_graph:
         rewritten.config[EXACT_GRAPH] = True
     return rewritten
+
+
+def const_node(name: str, values: list[int], device: str) -> tf.compat.v1.NodeDef:
+    """An int32 ``Const`` of ``values``: a shape for the nodes below."""
+    node = tf.compat.v1.NodeDef(name=name, op="Const", device=device)
+    node.attr["dtype"].type = tf.int32.as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array(values, np.int32)))
+    return node
+
+
+def reshape_nodes(name: str, tensor: str, shape: list[int], like: tf.compat.v1.NodeDef
+                  ) -> list[tf.compat.v1.NodeDef]:
+    """``Reshape(tensor, shape)`` named ``name``, and its shape constant."""
+    node = tf.compat.v1.NodeDef(name=name, op="Reshape", device=like.device,
+                                input=[tensor, f"{name}/shape"])
+    node.attr["T"].CopyFrom(like.attr["T"])
+    node.attr["Tshape"].type = tf.int32.as_datatype_enum
+    return [const_node(f"{name}/shape", shape, like.device), node]
+
+
+def matmul_node(name: str, a: str, b: str, like: tf.compat.v1.NodeDef, transpose_a: bool,
+                transpose_b: bool, controls: list[str]) -> tf.compat.v1.NodeDef:
+    """``MatMul(a, b)`` named ``name`` on ``like``'s device and dtype, after ``controls``."""
+    node = tf.compat.v1.NodeDef(name=name, op="MatMul", device=like.device,
+                                input=[a, b, *controls])
+    node.attr["T"].CopyFrom(like.attr["T"])
+    node.attr["transpose_a"].b = transpose_a
+    node.attr["transpose_b"].b = transpose_b
+    return node

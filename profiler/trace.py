@@ -24,6 +24,17 @@ the allocator the user's own steps run with. Without statistics the allocator's 
 In the same session the two agreed on ``keras.applications.ResNet50`` (64x64, batch 8, SGD,
 oneDNN on): 134.1 MB added by the records, 134.9 MB by the allocator (2026-12-06).
 
+oneDNN's allocator is blind to small buffers: TF 2.21's ``MklCPUAllocator``
+(``mkl_cpu_allocator.h``) hands every request below ``ONEDNN_UNCOUNTED_BYTES`` (256 KiB) to a
+small-size allocator whose statistics are off (``mkl_small_allocator_collect_stats = false``,
+set nowhere), so its peak counts only the larger buffers (and oneDNN's own, which the records
+miss). Measured on 2026-12-06: 4 MiB held at once as 64 KiB tensors added 0 bytes by the
+allocator and 4 MiB by the records; as 256 KiB tensors 4.25 MiB by the allocator; with oneDNN
+off and the BFC allocator both rulers read 4.0-4.2 MiB either way. On the Keras transformer of
+``bench.reconcile`` (its activations are 128 KiB) the allocator read 6.8 MB where the records
+read 9.5 MB: the records did not overcount, the allocator missed its small buffers.
+``remat.measure`` therefore takes the larger of the two with oneDNN on.
+
 Grappler (``profiler.session``) and oneDNN run some ops inside another node (the remapper's
 ``_FusedMatMul`` carries the name of the ``Relu`` it ends with) or fold them away: such an op,
 all of whose readers were measured, costs 0 in the profile (no time, no output buffer): its
@@ -53,9 +64,12 @@ from graphfit.profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_
 # The process-wide CPU allocator, shared by a session's (virtual) CPU devices: its peak over a
 # traced step is the independent check of the peak replayed from allocation records.
 _ALLOCATOR_DEVICE = "CPU:0"
+# With oneDNN on, the CPU allocator's statistics leave out every buffer below this size
+# (module docstring).
+ONEDNN_UNCOUNTED_BYTES = 262144
 
 __all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress",
-           "AllocatorPeak", "traced_peak_bytes"]
+           "AllocatorPeak", "traced_peak_bytes", "ONEDNN_UNCOUNTED_BYTES"]
 
 
 def print_progress(message: str) -> None:

@@ -32,41 +32,13 @@ Postconditions: the rewritten graph imports, is acyclic and keeps every fetched 
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import onednn_enabled
-from graphfit.profiler.graph_def_walk import rebuild
+from graphfit.profiler.graph_def_walk import matmul_node, rebuild, reshape_nodes
 
 __all__ = ["flatten_shared_matmuls"]
-
-
-def _const(name: str, values: list[int], device: str) -> tf.compat.v1.NodeDef:
-    node = tf.compat.v1.NodeDef(name=name, op="Const", device=device)
-    node.attr["dtype"].type = tf.int32.as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array(values, np.int32)))
-    return node
-
-
-def _reshape(name: str, tensor: str, shape: list[int], like: tf.compat.v1.NodeDef
-             ) -> list[tf.compat.v1.NodeDef]:
-    """``Reshape(tensor, shape)`` named ``name``, and its shape constant."""
-    node = tf.compat.v1.NodeDef(name=name, op="Reshape", device=like.device,
-                                input=[tensor, f"{name}/shape"])
-    node.attr["T"].CopyFrom(like.attr["T"])
-    node.attr["Tshape"].type = tf.int32.as_datatype_enum
-    return [_const(f"{name}/shape", shape, like.device), node]
-
-
-def _matmul(name: str, a: str, b: str, like: tf.compat.v1.NodeDef, transpose_a: bool,
-            transpose_b: bool, controls: list[str]) -> tf.compat.v1.NodeDef:
-    node = tf.compat.v1.NodeDef(name=name, op="MatMul", device=like.device,
-                                input=[a, b, *controls])
-    node.attr["T"].CopyFrom(like.attr["T"])
-    node.attr["transpose_a"].b = transpose_a
-    node.attr["transpose_b"].b = transpose_b
-    return node
 
 
 def _known(tensor: tf.Tensor) -> list[int] | None:
@@ -103,9 +75,9 @@ def _forward(op: tf.Operation, node: tf.compat.v1.NodeDef) -> list[tf.compat.v1.
     controls = [i for i in node.input if i.startswith("^")]
     data = [i for i in node.input if not i.startswith("^")]
     flat = f"{node.name}/flat"
-    return [*_reshape(f"{flat}/lhs", data[0], [-1, x_shape[-1]], node),
-            _matmul(flat, f"{flat}/lhs", data[1], node, False, node.attr["adj_y"].b, controls),
-            *_reshape(node.name, flat, out_shape, node)]
+    return [*reshape_nodes(f"{flat}/lhs", data[0], [-1, x_shape[-1]], node),
+            matmul_node(flat, f"{flat}/lhs", data[1], node, False, node.attr["adj_y"].b, controls),
+            *reshape_nodes(node.name, flat, out_shape, node)]
 
 
 def _weight_gradient(reshape: tf.Operation, nodes: dict, readers: dict
@@ -130,9 +102,9 @@ def _weight_gradient(reshape: tf.Operation, nodes: dict, readers: dict
                        if i.startswith("^")})
     data = [i for i in node.input if not i.startswith("^")]
     flat = f"{reshape.name}/flat"
-    return ([*_reshape(f"{flat}/lhs", data[0], [-1, x_shape[-1]], node),
-             *_reshape(f"{flat}/rhs", data[1], [-1, dy_shape[-1]], node),
-             _matmul(reshape.name, f"{flat}/lhs", f"{flat}/rhs", node, True, False, controls)],
+    return ([*reshape_nodes(f"{flat}/lhs", data[0], [-1, x_shape[-1]], node),
+             *reshape_nodes(f"{flat}/rhs", data[1], [-1, dy_shape[-1]], node),
+             matmul_node(reshape.name, f"{flat}/lhs", f"{flat}/rhs", node, True, False, controls)],
             [product.name, total.name])
 
 

@@ -36,7 +36,7 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import Profile
-from graphfit.profiler.session import OpenSessions, step_config, user_config
+from graphfit.profiler.session import OpenSessions, onednn_enabled, step_config, user_config
 from graphfit.profiler.step_compare import WeightCheck, compare_steps
 from graphfit.profiler.trace import profile_graph
 from graphfit.remat.plan import RematPlan
@@ -66,8 +66,10 @@ class StepMeasurement:
         ruler: ``"allocator"``: what the step added is TF's allocator's reading (its peak over
             the step minus its bytes in use when the step began, ``profiler.trace.
             AllocatorPeak``; the largest over the measured steps); ``"records"``: the
-            allocator keeps no statistics (TF's default CPU allocator), and the peak is
-            replayed from its allocation records of a traced step.
+            allocator keeps no statistics (TF's default CPU allocator), or, with oneDNN on,
+            its statistics, blind below 256 KiB, read less than the records (``profiler.
+            trace.ONEDNN_UNCOUNTED_BYTES``), and the peak is replayed from the allocation
+            records of a traced step.
         resident_bytes: what the step holds before it runs, counted from the graph: variables
             (optimizer slots included), kernels' persistent buffers, fed tensors.
         records_peak_bytes: the peak replayed from the allocation records of a traced step.
@@ -107,9 +109,12 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
     added = max(profile.metadata["allocator_added_bytes"], default=None)
+    # oneDNN's allocator counts no buffer below 256 KiB and the records none of oneDNN's own
+    # (``profiler.trace.ONEDNN_UNCOUNTED_BYTES``): both read low there, so the larger rules.
+    records = added is None or (onednn_enabled() and profile.peak_bytes > resident + added)
     return StepMeasurement(
-        peak_bytes=profile.peak_bytes if added is None else resident + added,
-        ruler="records" if added is None else "allocator", resident_bytes=resident,
+        peak_bytes=profile.peak_bytes if records else resident + added,
+        ruler="records" if records else "allocator", resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
         step_time_us=statistics.median(times), profile=profile)
 

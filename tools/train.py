@@ -78,8 +78,8 @@ flags.DEFINE_float("memory_fraction", 1.0, "Fraction of --device_memory the plac
 flags.DEFINE_float("sct_threshold", None, "m-SCT: LP values below it make a favourite child.")
 flags.DEFINE_enum("lp_solver", None, ["highs", "cvxopt", "mosek"], "m-SCT's LP solver.")
 flags.DEFINE_list("skip_passes", [], "Passes not to run, comma-separated, of "
-                  "pipeline.passes.PASSES: conv_grad_kernels, flat_matmuls, grad_accumulation, "
-                  "early_updates, remat, place.")
+                  "pipeline.passes.PASSES: patch_convs, conv_grad_kernels, flat_matmuls, "
+                  "grad_accumulation, early_updates, remat, place.")
 flags.DEFINE_boolean("verify_structure", False, "Debugging: after each pass, verify the "
                      "step's structure (acyclic, every read version exists, no stateful clone, "
                      "colocation and limits kept; pipeline/verify.py).")
