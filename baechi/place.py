@@ -399,6 +399,7 @@ def place(cost_graph: CostGraph, devices: DeviceSet, method: str = "m_etf",
     limits = devices.memory_bytes.copy()
     placement_s = 0.0
     repair = False
+    over = np.zeros(len(devices), dtype=np.int64)   # the last attempt's excess per device
     for attempt in range(1, MAX_ATTEMPTS + 1):
         began_attempt = time.perf_counter()
         placer_devices = devices.with_memory(limits.tolist())
