@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,18 @@ def _row(model: str, ratio: float) -> dict:
     run = subprocess.run([sys.executable, "-m", "graphfit.bench.reconcile", "--model", model,
                           "--ratio", str(ratio)],
                          capture_output=True, text=True, env=env, timeout=600)
+    refused = re.search(r"BudgetError: .*no plan fits a budget of ([\d,]+) bytes; the minimum "
+                        r"is ([\d,]+) bytes", run.stderr)
+    if run.returncode and refused:
+        # With oneDNN off the Keras ResNet-style step's floor is 0.49 of it (TF's default
+        # kernel of a strided convolution's gradient takes a 32 MiB scratch buffer), and what
+        # the allocator reads it adding moves by up to 11% between fresh processes: one run in
+        # three of 2026-12-06 asked for less than the floor at 0.5. Then the refusal must name
+        # a minimum above the budget; what is reconciled is a step that fits.
+        budget, minimum = (int(group.replace(",", "")) for group in refused.groups())
+        assert minimum > budget, run.stderr[-3000:]
+        pytest.skip(f"this process's budget at {ratio} ({budget:,} bytes) is below the step's "
+                    f"floor ({minimum:,} bytes), and optimize said so")
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
