@@ -33,7 +33,7 @@ import numpy as np
 from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 
-__all__ = ["RecomputeGraph", "recompute_graph", "take_over_buffers", "clone_name",
+__all__ = ["RecomputeGraph", "recompute_graph", "take_over_buffers", "viewed", "clone_name",
            "original_name"]
 
 _CLONE_SUFFIX = re.compile(r"/remat_\d+(?=/|$)")
@@ -203,17 +203,22 @@ def take_over_buffers(unrolled: RecomputeGraph, planned: CostGraph,
         by_name[reader].output_bytes = [0]
         groups.union(by_name[producer].colocation_group, by_name[reader].colocation_group)
     for spec in specs:
-        seen = [tuple(source) for source in spec.inputs]
-        for source in list(seen):
-            while source in views:
-                source = views[source]
-                if source not in seen:
-                    seen.append(source)
-        spec.inputs = seen
+        sources = [tuple(source) for source in spec.inputs]
+        spec.inputs = sources + sorted({viewed(views, s) for s in sources if s in views}
+                                       - set(sources))
         spec.colocation_group = groups[spec.colocation_group]
     source_of = dict(zip(graph.names, unrolled.source))
     taken = CostGraph.from_ops(specs)
     return RecomputeGraph(taken, [source_of[name] for name in taken.names])
+
+
+def viewed(views: Mapping[tuple[str, int], tuple[str, int]], tensor: tuple[str, int]
+           ) -> tuple[str, int]:
+    """The tensor whose buffer ``tensor`` is, through any number of views (``views``: a view
+    -> the tensor it shows)."""
+    while tensor in views:
+        tensor = views[tensor]
+    return tensor
 
 
 def _runs_last(graph: CostGraph, reader: int, readers: Sequence[int]) -> bool:

@@ -82,6 +82,7 @@ from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, session_config
 from graphfit.profiler.tf_import import cost_graph_from_graph
 from graphfit.remat.plan import FREE, Event, RematPlan
+from graphfit.remat.recompute_graph import viewed
 
 __all__ = ["MemoryModel", "StepTrace", "trace_steps", "step_trace", "tf_memory_model",
            "tf_memory_models", "expand_plan",
@@ -260,7 +261,7 @@ def _calibrated(base: CostGraph, trace: StepTrace) -> MemoryModel:
                 views[(spec.name, output_port)] = (producer, port)
             else:
                 last_reader_forwards.append((spec.name, producer, port))
-    view_reads = {spec.name: [_viewed(views, tuple(source)) for source in spec.inputs
+    view_reads = {spec.name: [viewed(views, tuple(source)) for source in spec.inputs
                               if tuple(source) in views] for spec in specs}
     order = {name: k for k, name in enumerate(sorted(
         (spec.name for spec in specs),
@@ -293,14 +294,6 @@ def _reads_later_buffer(spec: OpSpec, forwarded: str, chain_head: str, trace: St
     return start is not None and any(
         producer != forwarded and trace.allocated.get(producer, {}).get(port)
         and trace.start_us.get(producer, start) > start for producer, port in spec.inputs)
-
-
-def _viewed(views: dict[tuple[str, int], tuple[str, int]], tensor: tuple[str, int]
-            ) -> tuple[str, int]:
-    """The tensor whose buffer ``tensor`` is, through any number of identity views."""
-    while tensor in views:
-        tensor = views[tensor]
-    return tensor
 
 
 def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
