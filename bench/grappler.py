@@ -238,7 +238,8 @@ def _at_ratio(item: GraphItem, user: tuple[Callable, tuple] | None, timed: Timed
     user's; returns the row and the rewritten step."""
     from graphfit.profiler.tf_function import to_callable
 
-    result = optimize(item, memory_ratio=RATIO, remat_heuristic="offline", progress=None)
+    result = optimize(item, memory_ratio=RATIO, remat_heuristic="offline", predict_step_time=True,
+                      progress=None)
     report = result.report()["remat"]
     row = {key: report.get(key) for key in (
         "budget_bytes", "baseline_peak_bytes", "planned_peak_bytes", "measured_peak_bytes",

@@ -329,7 +329,7 @@ def joint_search(item, devices: DeviceSet, space: JointSpace, heuristic: str,
     say(f"joint: single-device peak {format_bytes(baseline.peak_bytes)}; searching "
         f"{len(space.ratios)} remat budgets x {len(space.methods)} placers over "
         f"{len(devices)} devices")
-    found = search(planning_orders(item, [model]), devices, baseline.peak_bytes, item.loss,
+    found = search(list(planning_orders(item, [model])), devices, baseline.peak_bytes, item.loss,
                    space.ratios, space.methods, heuristic, overhead_limit, place_options,
                    progress=True)
     say(f"joint: {found.explanation()}")

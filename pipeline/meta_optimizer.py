@@ -107,6 +107,7 @@ def optimize(item: GraphItem, *,
              target: RunTarget | None = None, devices: DeviceSet | None = None,
              profile: Profile | None = None, place_options: dict[str, Any] | None = None,
              verify: bool = True, verify_structure: bool = False, skip: Iterable[str] = (),
+             predict_step_time: bool = False,
              progress: Callable[[str], None] | None = print_progress) -> OptimizeResult:
     """Rematerialize ``item`` to a memory budget, then place it on several devices.
 
@@ -138,6 +139,9 @@ def optimize(item: GraphItem, *,
             (``pipeline.verify``: acyclic, every read version exists, no stateful clone,
             colocation and limits kept); a debugging aid, cheap next to a TF run.
         skip: pass names (``pipeline.passes.PASSES``) not to run.
+        predict_step_time: when verifying, also predict the rewritten step's time against
+            the user's from traced runs before measuring it (``remat.step_time``; the
+            report's ``planned_step_vs_user``), for benches that check the prediction.
         progress: called with a line per pass; ``None`` for silence.
 
     Returns:
@@ -189,7 +193,8 @@ def optimize(item: GraphItem, *,
                             "no memory_budget or memory_ratio")
     say = progress or (lambda _: None)
     remat = _RematSettings(remat_heuristic, remat_overhead_limit, verify, verify_structure,
-                           target.num_cpu_devices if target is not None else 1)
+                           target.num_cpu_devices if target is not None else 1,
+                           predict_step_time)
 
     records: list[PassRecord] = []
     original = item
@@ -226,6 +231,7 @@ class _RematSettings:
     verify: bool
     verify_structure: bool
     num_cpu_devices: int
+    predict_step_time: bool = False
 
 
 def _graph_passes(item: GraphItem, skip: frozenset[str], verify_structure: bool,
@@ -259,7 +265,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             if smallest:
                 say(f"remat: the smallest budget with a plan is {format_bytes(args[0])}")
             try:
-                item, plan, details = fit_budget(original, before, *args, order_updates=early)
+                item, plan, details = fit_budget(original, before, *args, order_updates=early,
+                                                 predict_step_time=remat.predict_step_time)
                 break
             except BudgetError as error:
                 # Each fit traces the step's orders anew, and a budget that planned on one
@@ -275,7 +282,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         say("remat: no plan after the graph passes; planning the step without them")
         try:
             before = original
-            item, plan, details = fit_budget(original, original, *args, order_updates=False)
+            item, plan, details = fit_budget(original, original, *args, order_updates=False,
+                                             predict_step_time=remat.predict_step_time)
         except BudgetError:
             raise error from None
         for record in records:

@@ -42,8 +42,8 @@ from graphfit.profiler.trace import profile_graph
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepMeasurement", "measure_step", "paired_overhead", "paired_overheads",
-           "measure_rewrite",
+__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "paired_overhead",
+           "paired_overheads", "measure_rewrite",
            "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
@@ -156,7 +156,8 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                     baseline: StepMeasurement | None = None, steps: int = 4,
                     warmup: int = 1, weights: WeightCheck | None = None,
                     sessions: OpenSessions | None = None) -> dict[str, Any]:
-    """Measure ``rewritten`` against ``original`` and against ``plan``'s predictions.
+    """Measure ``rewritten`` (``measure_step``) and compare it with ``original`` and with
+    ``plan``'s predictions (``compare_rewrite``).
 
     Parameters:
         original: the step before rematerialization.
@@ -187,6 +188,23 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
     """
     baseline = baseline or measure_step(original, steps, warmup, sessions=sessions)
     measured = measure_step(rewritten, steps, warmup, sessions=sessions)
+    return compare_rewrite(original, rewritten, plan, baseline, measured, weights, sessions,
+                           rounds=max(steps, 3), warmup=warmup)
+
+
+def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
+                    baseline: StepMeasurement, measured: StepMeasurement,
+                    weights: WeightCheck | None = None, sessions: OpenSessions | None = None,
+                    rounds: int = 4, warmup: int = 1) -> dict[str, Any]:
+    """``measure_rewrite``'s report from the measurements of both steps already made: runs
+    one step of each to compare the loss and gradients (``compare_steps``), then times them
+    side by side (``paired_overheads``, ``rounds`` rounds at least after ``warmup``). The
+    closed loop (``remat.closed_loop``) measures each round's peak first and compares only
+    the step it returns.
+
+    Raises:
+        profiler.step_compare.StepMismatchError: as ``measure_rewrite``.
+    """
     comparison = compare_steps(original, rewritten, rtol=GRADIENT_RTOL, atol=0.0,
                                loss_rtol=LOSS_RTOL, atol_of_max=GRADIENT_ATOL_OF_MAX,
                                weights=weights)
@@ -194,7 +212,7 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
     # Against both configurations of the original in the same rounds: the rounds a pair
     # took apart (at least 2 s of steps each), in 1.5x the seconds, with one session less.
     overheads = paired_overheads(original, rewritten, {"project": None, "user": user_config()},
-                                 max(steps, 3), warmup, min_seconds=3.0, sessions=sessions)
+                                 rounds, warmup, min_seconds=3.0, sessions=sessions)
     overhead, _ = overheads["project"]
     overhead_vs_user, user_step_us = overheads["user"]
     return {

@@ -51,33 +51,50 @@ def test_unknown_pass_and_conflicting_budgets_are_errors(item):
         pipeline.optimize(item, memory_budget=1 << 20, memory_ratio=0.5, progress=None)
 
 
-def _inflate_first_rounds(monkeypatch, rounds: int) -> list[int]:
+def _measuring_rewritten_steps(monkeypatch, measured_peak) -> list:
+    """Make each round's peak measurement of a rewritten step report
+    ``measured_peak(round, plan, measurement)`` instead (the closed loop's trigger, which real
+    runs hit only now and then); returns the plans measured, round by round."""
+    import dataclasses
+
+    from graphfit.remat import measure, rewrite
+
+    real, plans = measure.measure_step, []
+    real_rewrite = rewrite.rewrite
+
+    def rewrite_noting_the_plan(item, cost_graph, plan, **kwargs):
+        rewritten = real_rewrite(item, cost_graph, plan, **kwargs)
+        rewritten.config["remat"]["test_plan"] = plan
+        return rewritten
+
+    def measure_step(item, *args, **kwargs):
+        measurement = real(item, *args, **kwargs)
+        if "test_plan" not in item.config.get("remat", {}):
+            return measurement
+        plans.append(item.config["remat"]["test_plan"])
+        return dataclasses.replace(measurement, peak_bytes=measured_peak(
+            len(plans), plans[-1], measurement))
+
+    monkeypatch.setattr(rewrite, "rewrite", rewrite_noting_the_plan)
+    monkeypatch.setattr(measure, "measure_step", measure_step)
+    return plans
+
+
+def _inflate_first_rounds(monkeypatch, rounds: int) -> None:
     """Make the first ``rounds`` measurements report a step that adds 10% more above its
-    resident bytes than the user's budget leaves it (the closed loop's trigger, which real runs
-    hit only now and then); returns the planning budgets measured and the resident bytes."""
-    from graphfit.remat import measure
-
-    real, planning_budgets = measure.measure_rewrite, []
-
-    def measure_rewrite(original, rewritten, plan, **kwargs):
-        report = real(original, rewritten, plan, **kwargs)
-        planning_budgets.append(plan.budget_bytes)
-        if len(planning_budgets) <= rounds:
-            resident = report["measured_resident_bytes"]
-            report["measured_peak_bytes"] = int(resident + 1.1 * (planning_budgets[0]
-                                                                  - resident))
-        return report
-
-    monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
-    return planning_budgets
+    resident bytes than the user's budget (the first round's planning budget) leaves it."""
+    plans = _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: (
+        int(measured.resident_bytes + 1.1 * (plans[0].budget_bytes - measured.resident_bytes))
+        if round_ <= rounds else measured.peak_bytes))
 
 
 @pytest.mark.slow
 def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(item,
                                                                               monkeypatch):
-    planning_budgets = _inflate_first_rounds(monkeypatch, rounds=2)
+    _inflate_first_rounds(monkeypatch, rounds=2)
     remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     first, strict, lower = remat["rounds"]
+    planning_budgets = [r["planning_budget_bytes"] for r in remat["rounds"]]
     resident = first["measured_resident_bytes"]
     assert first["measured_peak_bytes"] - resident > 1.05 * (remat["budget_bytes"] - resident)
     # First the events side by side are taken back, at the same budget; then the budget, by
@@ -93,16 +110,8 @@ def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(it
 
 @pytest.mark.slow
 def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(item, monkeypatch):
-    from graphfit.remat import measure
-
-    real = measure.measure_rewrite
-
-    def measure_rewrite(original, rewritten, plan, **kwargs):
-        report = real(original, rewritten, plan, **kwargs)
-        report["measured_peak_bytes"] = min(plan.budget_bytes, int(plan.peak_bytes * 1.03))
-        return report
-
-    monkeypatch.setattr(measure, "measure_rewrite", measure_rewrite)
+    _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: min(
+        plan.budget_bytes, int(plan.peak_bytes * 1.03)))
     remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     assert remat["measured_peak_bytes"] > remat["planned_peak_bytes"]
     assert len(remat["rounds"]) == 1 and remat["side_by_side_events"] > 0
