@@ -19,7 +19,7 @@ from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.profiler.sizes import format_bytes
 from graphfit.remat.baselines import checkpoint_all
 from graphfit.remat.closed_loop import PEAK_TOLERANCE
-from graphfit.remat.pipeline import plan_for_budget
+from graphfit.remat.pipeline import cheapest_plan, plan_for_budget
 from graphfit.remat.plan import Event, RematPlan
 from graphfit.remat.recompute_graph import recompute_graph, take_over_buffers
 from graphfit.remat.tf_memory import MemoryModel
@@ -273,6 +273,20 @@ def test_search_plans_every_order_it_is_given_and_keeps_the_cheapest(chain):
         assert len(option.plan.stats["orders"]) == 2 and option.model in (model, twin)
         cheapest = min(o for o in option.plan.stats["orders"] if o is not None)
         assert option.overhead == pytest.approx(cheapest, abs=1e-4)     # orders are rounded
+
+
+def test_the_order_search_stops_at_a_plan_that_recomputes_next_to_nothing(chain):
+    """No order can beat a plan within ``ORDER_SEARCH_SLACK`` of no recomputation by more than
+    that, so ``cheapest_plan`` plans no further order; below, it plans every order."""
+    from graphfit.remat.pipeline import ORDER_SEARCH_SLACK
+
+    graph, model = chain
+    twin = MemoryModel(graph, graph, [[i] for i in range(graph.num_ops)])
+    peak = checkpoint_all(graph).peak_bytes
+    _, ample = cheapest_plan([model, twin], peak, "dtr", 2.0, "loss:0")
+    assert ample.overhead == 1.0 and ample.stats["orders"] == [1.0]
+    _, tight = cheapest_plan([model, twin], int(0.5 * peak), "dtr", 2.0, "loss:0")
+    assert tight.overhead > 1 + ORDER_SEARCH_SLACK and len(tight.stats["orders"]) == 2
 
 
 def test_an_option_measured_over_its_limits_gives_way_to_the_next(monkeypatch):
