@@ -32,9 +32,9 @@ __all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "PLAN_ORDERS", "fit_budget", "ra
 # bytes misses the budget; the remat pass then plans again, MAX_PLAN_ROUNDS times in all.
 PEAK_TOLERANCE = 0.05
 MAX_PLAN_ROUNDS = 3
-# Memory models (traced orders of the step, built once; every round plans on them all)
-# whose cheapest plan is kept (``remat.pipeline.cheapest_plan``): eight orders of a Keras
-# attention step planned 1.19-1.52 at 0.5 of its peak (2026-12-05).
+# Memory models (traced orders of the step, each traced once, when the search first needs it;
+# every round plans on them) whose cheapest plan is kept (``remat.pipeline.cheapest_plan``):
+# eight orders of a Keras attention step planned 1.19-1.52 at 0.5 of its peak (2026-12-05).
 PLAN_ORDERS = 6
 
 
@@ -115,7 +115,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import compare_rewrite, measure_step
     from graphfit.remat.step_time import trace_for_prediction
-    from graphfit.remat.tf_memory import tf_memory_models
+    from graphfit.remat.tf_memory import TracedOrders
 
     # One session per step and configuration for every stage (``OpenSessions``): the user's
     # step, the planned step, its serial chain, each rewritten step.
@@ -133,14 +133,17 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                                    config=session_config(num_cpu_devices),
                                    sessions=sessions).profile
         planning_budget, rounds, side_by_side = budget, [], verify
+        # Orders are traced as the search asks for them (``TracedOrders``), the first here.
+        models = TracedOrders(item, profile, PLAN_ORDERS, sessions)
         with times.stage("trace_orders"):
-            models = tf_memory_models(item, profile, PLAN_ORDERS, sessions)
+            models[0]                             # traced now: the first order every round plans
         # The same for every round of planning.
         traces = None
         if verify and predict_step_time:
             with times.stage("trace_for_prediction"):
                 traces = trace_for_prediction(original, item, models[0], sessions=sessions)
-        sessions.keep_only([original.graph])      # the planned step is not run again
+        # The planned step runs again only to trace more orders.
+        sessions.keep_only([original.graph, item.graph])
         for _ in range(MAX_PLAN_ROUNDS):
             try:
                 with times.stage("plan_and_rewrite"):
@@ -177,7 +180,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             # The measurement's first step is the rewritten step's first run (the graph is not
             # placed yet: one device runs it as several would). A step of an earlier round
             # is not run again.
-            sessions.keep_only([original.graph])
+            sessions.keep_only([original.graph, item.graph])
             with times.stage("measure_peak"), failing_step("rematerialized"):
                 measured = measure_step(rewritten, sessions=sessions)
             details.update(measured_peak_bytes=measured.peak_bytes,

@@ -11,7 +11,7 @@ graph passes that free memory before profiling are listed in ``pipeline.passes``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -304,7 +304,8 @@ def planning_orders(item: GraphItem, models: "list[MemoryModel]") -> "Iterator[M
 
 
 def rematerialize(item: GraphItem,
-                  profile_or_cost_graph: "Profile | CostGraph | MemoryModel | list[MemoryModel]",
+                  profile_or_cost_graph:
+                  "Profile | CostGraph | MemoryModel | Sequence[MemoryModel]",
                   budget_bytes: int | None = None, budget_ratio: float | None = None,
                   heuristic: str = "dtr", overhead_limit: float = 2.0,
                   side_by_side: bool = False, step_traces: "StepTraces | None" = None
@@ -315,7 +316,8 @@ def rematerialize(item: GraphItem,
         item: the training step.
         profile_or_cost_graph: a ``Profile`` of the step ``remat.tf_memory.step_item(item)``
             (a ``remat.tf_memory.MemoryModel`` is made from it with one more traced step), a
-            ready ``MemoryModel`` of ``item`` or a list of them (each of its own traced order),
+            ready ``MemoryModel`` of ``item`` or a sequence of them (each of its own traced order:
+            ``remat.tf_memory.TracedOrders``),
             or a plain ``CostGraph`` of ``item``
             (planned op by op, without TF's calibration).
         budget_bytes: the budget, resident variables and feeds included.
@@ -366,7 +368,7 @@ def rematerialize(item: GraphItem,
         models = [tf_memory_model(item, profile_or_cost_graph)]
         baseline_bytes = profile_or_cost_graph.peak_bytes
     else:
-        models = (list(profile_or_cost_graph) if isinstance(profile_or_cost_graph, list) else
+        models = (profile_or_cost_graph if isinstance(profile_or_cost_graph, Sequence) else
                   [profile_or_cost_graph] if isinstance(profile_or_cost_graph, MemoryModel) else
                   [MemoryModel(profile_or_cost_graph, profile_or_cost_graph,
                                [[i] for i in range(profile_or_cost_graph.num_ops)])])

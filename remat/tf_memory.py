@@ -72,6 +72,7 @@ buffers: a plan is conservative by at most one such buffer.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 
 import tensorflow as tf
@@ -85,7 +86,7 @@ from graphfit.remat.plan import FREE, Event, RematPlan
 from graphfit.remat.recompute_graph import viewed
 
 __all__ = ["MemoryModel", "StepTrace", "trace_steps", "step_trace", "tf_memory_model",
-           "tf_memory_models", "expand_plan",
+           "TracedOrders", "expand_plan",
            "tf_peak_bytes", "step_item", "IDENTITY_OP_TYPES", "FEED_OP_TYPES", "FUSABLE_PAIRS"]
 
 _SOURCE_OP_TYPES = FEED_OP_TYPES | {"Const"}
@@ -204,18 +205,42 @@ def tf_memory_model(item: GraphItem, profile: Profile | None = None,
         The ``MemoryModel``; its ``cost_graph`` has the op names ``cost_graph_from_graph``
         gives, so plans expanded onto it lower with ``remat.rewrite.rewrite``.
     """
-    return tf_memory_models(item, profile, [trace] if trace is not None else 1)[0]
-
-
-def tf_memory_models(item: GraphItem, profile: Profile | None, traces: "list[StepTrace] | int",
-                     sessions: OpenSessions | None = None) -> list[MemoryModel]:
-    """``tf_memory_model`` of each of ``traces`` (or of that many steps traced in one session,
-    ``trace_steps``, ``sessions``' if given): one traced order each, the uncalibrated cost
-    graph built once for all."""
-    if isinstance(traces, int):
-        traces = trace_steps(item, traces, sessions=sessions)
     base = cost_graph_from_graph(item.graph, [item.train_op, item.loss], profile)
-    return [_calibrated(base, trace) for trace in traces]
+    return _calibrated(base, trace if trace is not None else trace_steps(item)[0])
+
+
+class TracedOrders(collections.abc.Sequence):
+    """``count`` ``MemoryModel``s of ``item``, each of its own traced order (TF's executor
+    starts the ops of each run in its own order), traced when first asked for, in the
+    session of the step (``trace_steps``; ``sessions``' if given), on one uncalibrated cost
+    graph built once: a search that stops at its first plan (``remat.pipeline.
+    ORDER_SEARCH_SLACK``) traces one step, not ``count`` (six traced steps took 6 s of
+    ``keras.applications.ResNet50``'s ``optimize``, 2026-12-06)."""
+
+    def __init__(self, item: GraphItem, profile: Profile | None, count: int,
+                 sessions: OpenSessions | None = None):
+        self._item, self._profile, self._count, self._sessions = item, profile, count, sessions
+        self._base: CostGraph | None = None
+        self._models: list[MemoryModel] = []
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(f"order {index} of {self._count}")
+        index %= self._count
+        if self._base is None:
+            self._base = cost_graph_from_graph(self._item.graph,
+                                               [self._item.train_op, self._item.loss],
+                                               self._profile)
+        while len(self._models) <= index:
+            trace, = trace_steps(self._item, warmup=0 if self._models else 1,
+                                 sessions=self._sessions)
+            self._models.append(_calibrated(self._base, trace))
+        return self._models[index]
 
 
 def _calibrated(base: CostGraph, trace: StepTrace) -> MemoryModel:
