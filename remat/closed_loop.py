@@ -199,7 +199,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                     report = compare_rewrite(
                         original, rewritten, plan, baseline, measured,
                         weights=WeightCheck(kernel_order_noise=True) if order_updates else None,
-                        sessions=sessions)
+                        sessions=sessions, planned=item)
                 if traces is not None:
                     report.update(planned_step_vs_user=plan.stats["step_time"]["vs_user"],
                                   planned_step_time=plan.stats["step_time"])

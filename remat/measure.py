@@ -119,28 +119,26 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
         step_time_us=statistics.median(times), profile=profile)
 
 
-def paired_overheads(original: GraphItem, rewritten: GraphItem,
-                     original_configs: Mapping[str, tf.compat.v1.ConfigProto | None],
+def paired_overheads(rewritten: GraphItem,
+                     references: Mapping[str, tuple[GraphItem, tf.compat.v1.ConfigProto | None]],
                      rounds: int = 3, warmup: int = 1, min_seconds: float = 2.0,
                      sessions: OpenSessions | None = None) -> dict[str, tuple[float, float]]:
-    """Per name of ``original_configs``: the median over the rounds of (rewritten step time /
-    the original's under that configuration; ``None``: the project's ``session_config``, as
-    the rewritten step), and that original's median step time (µs). Every step runs once per
-    round, side by side in open sessions (``profiler.paired_timing``), at least ``rounds``
-    rounds and ``min_seconds`` of steps (short steps need many rounds), so one rewritten
-    session serves every comparison; in ``sessions``' sessions, if given."""
+    """Per name of ``references`` (a step and the configuration to run it with; ``None``:
+    the project's ``session_config``, as the rewritten step): the median over the rounds of
+    (rewritten step time / that step's), and that step's median time (µs). Every step runs
+    once per round, side by side in open sessions (``profiler.paired_timing``), at least
+    ``rounds`` rounds and ``min_seconds`` of steps (short steps need many rounds), so one
+    rewritten session serves every comparison; in ``sessions``' sessions, if given."""
     with OpenSessions.reuse(sessions) as pool:
         steps = {}
-        for name, item, config in [*((name, original, config)
-                                     for name, config in original_configs.items()),
-                                   (_REWRITTEN, rewritten, None)]:
+        for name, (item, config) in [*references.items(), (_REWRITTEN, (rewritten, None))]:
             session = pool.get(item.graph, config)
             session.run(item.init_op)
             steps[name] = functools.partial(session.run, [item.train_op, item.loss],
                                             item.feed_dict())
         times = paired_step_times(steps, rounds, warmup, min_seconds)
     return {name: (ratio_summary(times, name)[_REWRITTEN]["median"],
-                   statistics.median(times[name]) * 1e6) for name in original_configs}
+                   statistics.median(times[name]) * 1e6) for name in references}
 
 
 def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
@@ -148,8 +146,8 @@ def paired_overhead(original: GraphItem, rewritten: GraphItem, rounds: int = 3,
                     min_seconds: float = 2.0) -> tuple[float, float]:
     """``paired_overheads`` against one configuration of the original (default: the project's
     ``session_config``, as the rewritten step)."""
-    return paired_overheads(original, rewritten, {"original": original_config}, rounds, warmup,
-                            min_seconds)["original"]
+    return paired_overheads(rewritten, {"original": (original, original_config)}, rounds,
+                            warmup, min_seconds)["original"]
 
 
 def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
@@ -195,12 +193,15 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
 def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                     baseline: StepMeasurement, measured: StepMeasurement,
                     weights: WeightCheck | None = None, sessions: OpenSessions | None = None,
-                    rounds: int = 4, warmup: int = 1) -> dict[str, Any]:
+                    rounds: int = 4, warmup: int = 1, planned: GraphItem | None = None
+                    ) -> dict[str, Any]:
     """``measure_rewrite``'s report from the measurements of both steps already made: runs
     one step of each to compare the loss and gradients (``compare_steps``), then times them
-    side by side (``paired_overheads``, ``rounds`` rounds at least after ``warmup``). The
-    closed loop (``remat.closed_loop``) measures each round's peak first and compares only
-    the step it returns.
+    side by side (``paired_overheads``, ``rounds`` rounds at least after ``warmup``) with the
+    user's step and with ``planned``, the step the plan was made for (default
+    ``original``; in ``optimize``, the step after the graph passes, whose session is open).
+    The closed loop (``remat.closed_loop``) measures each round's peak first and compares
+    only the step it returns.
 
     Raises:
         profiler.step_compare.StepMismatchError: as ``measure_rewrite``.
@@ -209,9 +210,11 @@ def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                                loss_rtol=LOSS_RTOL, atol_of_max=GRADIENT_ATOL_OF_MAX,
                                weights=weights)
     comparison.check()  # a rewrite that changes the loss or gradients is a bug, not a figure
-    # Against both configurations of the original in the same rounds: the rounds a pair
-    # took apart (at least 2 s of steps each), in 1.5x the seconds, with one session less.
-    overheads = paired_overheads(original, rewritten, {"project": None, "user": user_config()},
+    # Against the step planned under the project's configuration (what the planned overhead
+    # predicts) and the user's step under TF's defaults, in the same rounds: the rounds a
+    # pair took apart (at least 2 s of steps each), in 1.5x the seconds.
+    overheads = paired_overheads(rewritten, {"project": (planned or original, None),
+                                             "user": (original, user_config())},
                                  rounds, warmup, min_seconds=3.0, sessions=sessions)
     overhead, _ = overheads["project"]
     overhead_vs_user, user_step_us = overheads["user"]

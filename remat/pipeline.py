@@ -206,9 +206,9 @@ def _plan_filling_budget(model: "MemoryModel", budget_bytes: int, heuristic: str
 
 # ``cheapest_plan`` stops trying orders once a plan's overhead is within this of 1.0 (no
 # recomputation at all), a bound no other order can beat by more: ``keras.applications.
-# ResNet50`` at 0.5 plans 1.002 on its first order, and its twelve orders took 19 s of the
-# 118 s ``optimize`` spent on it (2026-12-06, idle VM).
-ORDER_SEARCH_SLACK = 0.005
+# ResNet50`` at 0.5 plans 1.003-1.007 on its first order, and its twelve orders took 19 s of
+# the 118 s ``optimize`` spent on it (2026-12-06, idle VM).
+ORDER_SEARCH_SLACK = 0.01
 
 
 def cheapest_plan(models: "Iterable[MemoryModel]", budget_bytes: int, heuristic: str,
