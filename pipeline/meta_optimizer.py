@@ -266,7 +266,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                 say(f"remat: the smallest budget with a plan is {format_bytes(args[0])}")
             try:
                 item, plan, details = fit_budget(original, before, *args, order_updates=early,
-                                                 predict_step_time=remat.predict_step_time)
+                                                 predict_step_time=remat.predict_step_time,
+                                                 progress=say)
                 break
             except BudgetError as error:
                 # Each fit traces the step's orders anew, and a budget that planned on one
@@ -283,7 +284,8 @@ def _remat_pass(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         try:
             before = original
             item, plan, details = fit_budget(original, original, *args, order_updates=False,
-                                             predict_step_time=remat.predict_step_time)
+                                             predict_step_time=remat.predict_step_time,
+                                             progress=say)
         except BudgetError:
             raise error from None
         for record in records:

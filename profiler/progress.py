@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from tqdm import tqdm
@@ -58,13 +58,19 @@ class StageTimes:
         ['plan']
     """
 
-    def __init__(self):
+    def __init__(self, announce: Callable[[str, float], None] | None = None):
+        """``announce(stage, seconds so far)`` is called as each stage begins: a user waiting
+        minutes sees where the work is (``pipeline.optimize`` prints a line per stage)."""
         self.seconds: dict[str, float] = {}
+        self._announce = announce
+        self._begin = time.perf_counter()
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Time the ``with`` block and add it to ``name``'s seconds (also when it raises)."""
         begin = time.perf_counter()
+        if self._announce is not None:
+            self._announce(name, begin - self._begin)
         try:
             yield
         finally:

@@ -20,13 +20,15 @@ of its plan; otherwise the strict chain is planned first, for the same budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import run_once
 from graphfit.remat.pipeline import BudgetError, rematerialize, with_smallest_budget
 from graphfit.remat.plan import RematPlan
 
-__all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "PLAN_ORDERS", "fit_budget", "ratio_budget",
-           "meets_budget"]
+__all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "PLAN_ORDERS", "STAGE_TITLES", "fit_budget",
+           "ratio_budget", "meets_budget"]
 
 # A step that adds more than (budget - resident) x (1 + PEAK_TOLERANCE) above its resident
 # bytes misses the budget; the remat pass then plans again, MAX_PLAN_ROUNDS times in all.
@@ -36,6 +38,18 @@ MAX_PLAN_ROUNDS = 3
 # every round plans on them) whose cheapest plan is kept (``remat.pipeline.cheapest_plan``):
 # eight orders of a Keras attention step planned 1.19-1.52 at 0.5 of its peak (2026-12-05).
 PLAN_ORDERS = 6
+# What each stage of ``fit_budget`` does, as its progress line says it.
+STAGE_TITLES = {
+    "measure_user_step": "measuring your step",
+    "profile": "profiling the step to plan",
+    "trace_orders": "tracing its op order",
+    "trace_for_prediction": "tracing the steps the step-time prediction replays",
+    "plan_and_rewrite": "planning (each traced order as run and reordered) and rewriting",
+    "order_updates": "ordering the updates after their variables' reads",
+    "run_once": "running the rewritten step once",
+    "measure_peak": "measuring the rewritten step's peak",
+    "verify": "comparing its loss, gradients and weights with your step, timing both",
+}
 
 
 
@@ -82,7 +96,8 @@ def _floating_kept(measured_bytes: int, planned_bytes: int, budget_bytes: int,
 
 def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                budget_ratio: float | None, heuristic: str, overhead_limit: float, verify: bool,
-               num_cpu_devices: int, order_updates: bool, predict_step_time: bool = False
+               num_cpu_devices: int, order_updates: bool, predict_step_time: bool = False,
+               progress: Callable[[str], None] | None = None
                ) -> tuple[GraphItem, RematPlan, dict]:
     """Plan ``item`` (``original`` after the graph passes) for the budget, rewrite, run; when
     verifying, measure and re-plan while the measured peak misses the budget.
@@ -103,6 +118,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             for benches that check the prediction. Off by default: the measurement itself is
             reported (``overhead_vs_user``), and the prediction's traced rounds took 18 of
             the 73 s on ``keras.applications.ResNet50`` (2026-12-06).
+        progress: called with a line as each stage begins (``STAGE_TITLES``).
 
     Returns:
         ``(rewritten step, plan, JSON-ready details)``; with ``verify``, ``details["rounds"]``
@@ -125,7 +141,8 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     # One session per step and configuration for every stage (``OpenSessions``): the user's
     # step, the planned step, its serial chain, each rewritten step.
     with OpenSessions() as sessions:
-        times = StageTimes()
+        times = StageTimes(None if progress is None else lambda stage, seconds: progress(
+            f"remat: {STAGE_TITLES[stage]} ({seconds:.0f} s)"))
         with times.stage("measure_user_step"):
             baseline = measure_step(original, warmup=1, num_cpu_devices=num_cpu_devices,
                                     sessions=sessions)
