@@ -170,3 +170,20 @@ def test_the_plan_is_the_cheapest_of_several_traced_orders(item):
     assert plan.overhead == pytest.approx(min(o for o in overheads if o is not None), abs=1e-4)
     with pytest.raises(ArgumentError, match="empty list"):
         rematerialize(step, [], budget_ratio=0.7)
+
+
+def test_the_first_plan_aims_below_the_budget_by_what_the_ruler_reads_beyond_the_records():
+    """Where TF's allocator reads the step adding more than its allocation records (oneDNN's
+    own buffers), the plan, a prediction of the records, aims lower by their share; where the
+    records read as much or more, it aims at the budget itself."""
+    from graphfit.remat.closed_loop import records_budget
+    from graphfit.remat.measure import StepMeasurement
+
+    def measured(peak, records, resident=10):
+        return StepMeasurement(peak_bytes=peak, ruler="allocator", resident_bytes=resident,
+                               records_peak_bytes=records, allocator_added_bytes=peak - resident,
+                               step_time_us=1.0, profile=None)
+
+    assert records_budget(60, measured(110, 90)) == 10 + 50 * 80 // 100
+    assert records_budget(60, measured(110, 110)) == 60
+    assert records_budget(60, measured(90, 110)) == 60
