@@ -27,7 +27,7 @@ train: $(STAMP)
 	$(PY) -m graphfit.tools.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) -m graphfit.bench
