@@ -69,8 +69,9 @@ from graphfit.remat.heuristics import HEURISTICS, make_heuristic
 from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, Event, RematPlan
 
 __all__ = ["RematError", "OutOfMemoryError", "BudgetTooSmallError", "ThrashError",
-           "InvalidOrderError", "simulate", "minimum_budget_bytes", "baseline_peak_bytes",
-           "recomputable_ops", "execution_order", "PLANNERS", "OFFLINE_PORTFOLIO"]
+           "InvalidOrderError", "simulate", "minimum_budget_bytes", "Floor", "floor",
+           "baseline_peak_bytes", "recomputable_ops", "execution_order", "PLANNERS",
+           "OFFLINE_PORTFOLIO"]
 
 # What ``simulate`` accepts: every eviction score, plus the offline portfolio.
 PLANNERS = HEURISTICS + ("offline",)
@@ -177,7 +178,44 @@ def minimum_budget_bytes(graph: CostGraph, order: Sequence[int] | None = None,
     It is the largest, over the ops, of: persistent bytes + bytes of unevictable tensors alive
     at the op (outputs of ops that cannot be recomputed, from their op to their last use) +
     the op's working set (its distinct inputs, all its outputs, its temporary bytes); and, at
-    the end, persistent bytes + unevictable tensors alive + the step's outputs.
+    the end, persistent bytes + unevictable tensors alive + the step's outputs
+    (``Floor.total_bytes``).
+
+    Raises:
+        InvalidOrderError: for a bad ``order``.
+    """
+    return floor(graph, order, outputs).total_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """What sets ``minimum_budget_bytes``, for an error that says why a budget has no plan:
+    at ``op`` (``None``: the step's end, where its outputs are held), the persistent bytes
+    (weights, optimizer state), the tensors no plan can free there (outputs of ops that
+    cannot be recomputed, alive), and the op's own working set (the step's outputs, at
+    the end)."""
+
+    op: str | None
+    persistent_bytes: int
+    unevictable_bytes: int
+    working_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.persistent_bytes + self.unevictable_bytes + self.working_bytes
+
+    def __str__(self) -> str:
+        where = f"at op {self.op!r}" if self.op is not None else "at the step's end"
+        return (f"{where}: {self.persistent_bytes:,} bytes of weights and other persistent "
+                f"state, {self.unevictable_bytes:,} of tensors no plan can recompute, "
+                f"{self.working_bytes:,} of "
+                + ("the op's own inputs, outputs and scratch" if self.op is not None
+                   else "the step's outputs"))
+
+
+def floor(graph: CostGraph, order: Sequence[int] | None = None,
+          outputs: Sequence[int] = ()) -> Floor:
+    """Where and of what ``minimum_budget_bytes`` is made (``Floor``).
 
     Raises:
         InvalidOrderError: for a bad ``order``.
@@ -199,13 +237,15 @@ def minimum_budget_bytes(graph: CostGraph, order: Sequence[int] | None = None,
         live[end + 1] -= graph.tensor_bytes[t]
     live = np.cumsum(live)
     size = graph.tensor_bytes
-    best = 0
+    persistent = int(graph.persistent_bytes.sum())
+    at_end = int(size[[t for t in outputs if not pinned_t[t]]].sum())
+    found = Floor(None, persistent, int(live[n]), at_end)
     for i in range(n):
         ts = list(dict.fromkeys(graph.op_inputs(i).tolist())) + list(graph.op_outputs(i))
         working = int(sum(size[t] for t in ts if not pinned_t[t])) + int(graph.temp_bytes[i])
-        best = max(best, int(live[pos[i]]) + working)
-    at_end = int(live[n]) + int(size[[t for t in outputs if not pinned_t[t]]].sum())
-    return int(graph.persistent_bytes.sum()) + max(best, at_end)
+        if int(live[pos[i]]) + working > found.unevictable_bytes + found.working_bytes:
+            found = Floor(graph.names[i], persistent, int(live[pos[i]]), working)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +275,7 @@ class _Step:
     evictable: list[bool]
     constants: int
     baseline_us: float
-    minimum: int
+    floor: Floor
     old_value_readers: dict[int, list[int]]
 
 
@@ -281,7 +321,7 @@ def _step(graph: CostGraph, order: Sequence[int] | None, outputs: Sequence[int])
         evictable=[recomputable[p] and b > 0 for p, b in zip(producer, size)],
         constants=int(graph.persistent_bytes.sum()),
         baseline_us=float(graph.compute_us.sum()),
-        minimum=minimum_budget_bytes(graph, order, outputs),
+        floor=floor(graph, order, outputs),
         old_value_readers=_old_value_readers(graph, pos))
     _STEPS[graph] = (key, step)
     return step
@@ -326,7 +366,8 @@ class _Simulation:
         self.retry: dict[int, list[int]] = {}
         self.stats = {"evictions": 0, "banished": 0, "deferred_banishments": 0,
                       "reads_before_update": 0}
-        self.minimum = step.minimum
+        self.floor = step.floor
+        self.minimum = step.floor.total_bytes
         self.old_value_readers = step.old_value_readers
 
     # -- liveness ---------------------------------------------------------------------------
@@ -636,8 +677,8 @@ class _Simulation:
         if self.budget < self.minimum:
             raise BudgetTooSmallError(
                 f"budget {self.budget:,.0f} bytes is below the minimum of {self.minimum:,} "
-                "bytes this step needs in this order (persistent bytes + unevictable live "
-                "tensors + the largest op working set)", int(self.budget), self.minimum, None)
+                f"bytes this step needs in this order, {self.floor}", int(self.budget),
+                self.minimum, None)
         for p, i in enumerate(self.order):
             self.position = p
             if i in self.old_value_readers:

@@ -501,3 +501,27 @@ def test_a_plan_fills_the_room_tf_buffer_reuse_leaves():
     for budget in range(400, 1000, 50):
         assert tf_peak_bytes(model, pipeline._plan_filling_budget(
             model, budget, "dtr", 3.0, None)) <= budget
+
+
+def test_the_floor_names_the_op_and_what_it_is_made_of():
+    """A budget below the minimum is refused with where the minimum is reached and its parts:
+    the weights (persistent), a tensor no plan can recompute (a random op's output, alive
+    until its last reader) and the op's own working set."""
+    from graphfit.remat.simulator import floor
+
+    MB = 1 << 20
+    graph = CostGraph.from_ops([
+        OpSpec("x", "Placeholder", output_bytes=[MB]),
+        OpSpec("w", "VarHandleOp", output_bytes=[0], persistent_bytes=3 * MB, is_variable=True),
+        OpSpec("noise", "RandomUniform", inputs=[("x", 0)], output_bytes=[2 * MB],
+               is_random=True),
+        OpSpec("big", "MatMul", inputs=[("x", 0), ("w", 0)], output_bytes=[4 * MB],
+               temp_bytes=MB),
+        OpSpec("loss", "Mean", inputs=[("big", 0), ("noise", 0)], output_bytes=[4])])
+    found = floor(graph)
+    assert found.op == "big" and found.persistent_bytes == 3 * MB
+    assert found.unevictable_bytes == 2 * MB + MB       # the noise and the feed, alive at big
+    assert found.working_bytes == 4 * MB + MB           # big's output and its scratch
+    assert found.total_bytes == minimum_budget_bytes(graph)
+    with pytest.raises(BudgetTooSmallError, match=r"at op 'big': 3,145,728 bytes of weights"):
+        simulate(graph, found.total_bytes - 1, "dtr")
