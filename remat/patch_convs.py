@@ -74,8 +74,9 @@ from graphfit.profiler.session import onednn_enabled
 
 __all__ = ["patchify_conv_gradients"]
 
-# (rows, columns, channels, outputs) of a filter laid out as [kh', s, kw', s, C, O] to
-# (kh', kw', s, s, C, O): the layout of ``SpaceToDepth``'s channels, and back.
+# A filter of [s*kh', s*kw', C, O] reshaped to [kh', s, kw', s, C, O] goes to
+# [kh', kw', s, s, C, O], whose last four axes are ``SpaceToDepth``'s channels (row and column
+# in the block, channel); the permutation is its own inverse, so it also goes back.
 _PHASE_PERMUTATION = [0, 2, 1, 3, 4, 5]
 
 
@@ -111,6 +112,7 @@ class _Phases:
 
     @property
     def block_kernel(self) -> tuple[int, int]:
+        """The kernel's height and width in blocks: ``ceil(k / stride)``."""
         return tuple(-(-k // self.stride) for k in self.filter_shape[:2])
 
     @property
