@@ -23,13 +23,18 @@ the same way, ``W' = Reshape(Transpose(Reshape(Pad(W), [k', s, k', s, C, O]), [0
   over the blocks with ``W'``.
 
 Stride-1 gradients run on Eigen's kernel (``conv_grad_kernels`` labels them after this pass).
-Where the kernel is one block and nothing is padded (``k <= s`` on a ``VALID`` grid:
-ConvNeXt's and the vision transformers' patchify stem, ConvNeXt's 2x2 downsampling, ResNet50's
-1x1 convolutions of stride 2), the stride-1 gradient is a matrix product of the blocks with
-the gradient, run as one ``MatMul``: Eigen's 1x1 gradient over the blocks took 10.9 ms on
-32x32²x32, 1x1x32x64 of stride 2, against 1.05 ms on TF's default kernel; in the step of
-``bench.reach``'s Keras ResNet-style net the products of its two 1x1 convolutions of stride 2
-took 1.5-3.2 ms against 0.8-3.0 ms on the default kernels (op time, one traced run each).
+Where the kernel is one block and nothing is padded (``k = s`` on a ``VALID`` grid: ConvNeXt's
+and the vision transformers' patchify stem, ConvNeXt's 2x2 downsampling), the stride-1
+gradient is a matrix product of the blocks with the gradient, run as one ``MatMul``. A 1x1
+convolution of stride ``s`` (ResNet50's downsampling ones) reads one pixel of each block: its
+filter gradient is the product of ``x[:, ::s, ::s]`` with the gradient, its input gradient
+the product of the gradient with the filter, put in the first pixel of each block; a filter
+padded to a whole block would be copied ``s*s`` times instead (32 MiB for ResNet50's 1x1 of
+1024x2048, which raised its floor above the budget at 0.5). Eigen's 1x1 gradient over the
+blocks took 10.9 ms on 32x32²x32, 1x1x32x64 of stride 2, against 1.05 ms on TF's default
+kernel; in the step of ``bench.reach``'s Keras ResNet-style net the products over blocks of its
+two 1x1 convolutions of stride 2 took 1.5-3.2 ms against 0.8-3.0 ms on the default kernels (op
+time, one traced run each).
 
 Measured on this 2-core machine (2026-12-06 22:26 UTC, load average 1.3-1.6, oneDNN off, BFC
 allocator, float32, one gradient, median of 9 interleaved runs; ms and MiB the op adds,
@@ -54,8 +59,8 @@ column buffer; they are 1.5-12x faster than Eigen's strided kernels.
 The rewrite applies to an ``NHWC`` gradient of dilation 1, equal strides ``s >= 2`` and a
 fully known shape, where the input's height and width are multiples of ``s`` and the padding
 before and after falls on whole blocks (``SAME`` 3x3 or 7x7 of stride 2 over an even size;
-not ``SAME`` 5x5, which pads one pixel before); the others are counted (``left``) and keep
-TF's kernels. Each rewritten node keeps its name and control inputs; the blocks of the input
+not ``SAME`` 5x5, which pads one pixel before), and the kernel is 1x1 or at least a block
+wide; the others are counted (``left``) and keep TF's kernels. Each rewritten node keeps its name and control inputs; the blocks of the input
 (or of the filter) are taken once the incoming gradient exists, so no copy is made in the
 forward pass. The products sum in another order than the kernels, so results agree within
 float tolerance, not bit for bit. Skipped with oneDNN on: its own kernels replace the ops and
@@ -126,6 +131,11 @@ class _Phases:
         return self.stride * self.stride * self.x_shape[3]
 
     @property
+    def pointwise(self) -> bool:
+        """A 1x1 filter: the convolution reads one pixel of each block."""
+        return self.filter_shape[:2] == (1, 1)
+
+    @property
     def as_product(self) -> bool:
         """A one-block kernel and no padding: the convolution is a matrix product."""
         return self.block_kernel == (1, 1) and not any(self.blocks)
@@ -147,7 +157,8 @@ def _phases(op: tf.Operation) -> _Phases | None:
     explicit = list(node.attr["explicit_paddings"].list.i) or [0] * 8
     axes = [_axis_blocks(x_shape[1 + a], filter_shape[a], stride, node.attr["padding"].s,
                          (explicit[2 + 2 * a], explicit[3 + 2 * a])) for a in (0, 1)]
-    if None in axes:
+    if None in axes or (1 < min(filter_shape[:2]) < stride) or (
+            filter_shape[:2] == (1, 1) and any(axes[0] + axes[1])):
         return None
     return _Phases(x_shape, filter_shape, stride, (*axes[0], *axes[1]))
 
@@ -213,6 +224,40 @@ def _pad_node(name: str, tensor: str, pads: list[list[int]], like: tf.compat.v1.
             _typed_node("Pad", name, [tensor, f"{name}/pads"], like, ("Tpaddings",))]
 
 
+def _pointwise_nodes(op_type: str, node: tf.compat.v1.NodeDef, phases: _Phases,
+                     data: list[str], controls: list[str], after_dy: list[str]
+                     ) -> list[tf.compat.v1.NodeDef]:
+    """A 1x1 convolution gradient of stride ``s`` as a matrix product of the pixels it reads:
+    ``x[:, ::s, ::s]`` for the filter's; for the input's, the product put in the first pixel
+    of each block (padded with zeros along the channels, then ``DepthToSpace``). Padding the
+    filter to a whole block instead would copy it ``s*s`` times (32 MiB for ResNet50's last
+    1x1 of stride 2, 1024x2048, which set its floor)."""
+    (n, h, w, c), o, s = phases.x_shape, phases.filter_shape[3], phases.stride
+    base = f"{node.name}/pixels"
+    dy = reshape_nodes(f"{base}/dy", data[2], [-1, o], node)
+    if op_type == "Conv2DBackpropFilter":
+        read = _typed_node("StridedSlice", f"{base}/x",
+                           [data[0], f"{base}/begin", f"{base}/end", f"{base}/strides",
+                            *after_dy], node, ("Index",))
+        for mask in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                     "shrink_axis_mask"):
+            read.attr[mask].i = 0
+        return [const_node(f"{base}/begin", [0, 0, 0, 0], node.device),
+                const_node(f"{base}/end", [n, h, w, c], node.device),
+                const_node(f"{base}/strides", [1, s, s, 1], node.device), read,
+                *reshape_nodes(f"{base}/rows", f"{base}/x", [-1, c], node), *dy,
+                matmul_node(f"{base}/product", f"{base}/rows", f"{base}/dy", node, True, False,
+                            controls),
+                *reshape_nodes(node.name, f"{base}/product", [1, 1, c, o], node)]
+    return [*reshape_nodes(f"{base}/w", data[1], [c, o], node), *dy,
+            matmul_node(f"{base}/product", f"{base}/dy", f"{base}/w", node, False, True,
+                        controls),
+            *reshape_nodes(f"{base}/first", f"{base}/product", [n, h // s, w // s, c], node),
+            *_pad_node(f"{base}/block", f"{base}/first",
+                       [[0, 0], [0, 0], [0, 0], [0, (s * s - 1) * c]], node),
+            _depth_node("DepthToSpace", node.name, [f"{base}/block"], s, node)]
+
+
 def _replacement(op: tf.Operation, node: tf.compat.v1.NodeDef
                  ) -> tuple[list[tf.compat.v1.NodeDef], bool] | None:
     """The nodes computing ``op`` (a strided convolution gradient) over blocks, the last one
@@ -225,6 +270,8 @@ def _replacement(op: tf.Operation, node: tf.compat.v1.NodeDef
     # Blocks of the input (or of the filter) are taken once the gradient flowing in exists:
     # taken earlier, in the forward pass, a copy of the input would stay until the backward.
     after_dy = [f"^{split_input(data[2])[0]}"]
+    if phases.pointwise:
+        return _pointwise_nodes(op.type, node, phases, data, controls, after_dy), True
     n, h, w, _ = phases.x_shape
     kh, kw = phases.block_kernel
     (fh, fw, c, o), s, depth = phases.filter_shape, phases.stride, phases.depth

@@ -53,6 +53,14 @@ def test_strided_gradients_run_over_blocks_without_a_column_buffer():
     assert left == {name for name in _strided_gradients(item) if name.startswith("gradients/wide")}
     comparison = compare_steps(item, blocked, rtol=1e-4, atol_of_max=1e-5)
     assert comparison.equal, comparison
+    # The 1x1 shortcut's filter gradient is one product of the filter's size, over the pixels
+    # it reads (over whole blocks it would be 4 times that), and nothing pads its filter.
+    shortcut = [op for op in blocked.graph.get_operations()
+                if op.name.startswith("gradients/shortcut_conv_grad/")]
+    assert [op.outputs[0].shape.num_elements() for op in shortcut
+            if op.type == "MatMul" and "BackpropFilter" in op.name] == [8 * 16]
+    assert all(op.inputs[0].shape.rank != 4 or op.inputs[0].shape[:2] != [1, 1]
+               for op in shortcut if op.type == "Pad")
     # After conv_grad_kernels (as the pipeline runs them) the stride-1 gradients over blocks
     # take Eigen's kernel: TF's default kernels sized their buffers for 30 MiB of work whatever
     # the batch; the only gradients left holding temporaries are the 5x5 ones.
