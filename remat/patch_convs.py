@@ -325,7 +325,7 @@ def _replacement(op: tf.Operation, node: tf.compat.v1.NodeDef
                              phases.blocks, node)]
     # The filter's blocks, too, wait for the gradient (a reshape of the variable's value is a
     # view; its first copy is the pad or the transpose, which would otherwise run first).
-    next(n for n in nodes if n.op != "Const").input.extend(after_dy)
+    next(new for new in nodes if new.op != "Const").input.extend(after_dy)
     return [*nodes, _depth_node("DepthToSpace", node.name, [f"{base}/gradient"], s,
                                 node)], phases.as_product
 
