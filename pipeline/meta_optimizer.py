@@ -6,7 +6,7 @@ promises:
 
 - ``patch_convs``, ``conv_grad_kernels``, ``flat_matmuls``, ``grad_accumulation``,
   ``early_updates`` (``pipeline.passes.GRAPH_PASSES``): free memory no recomputation can,
-  before profiling: compute patchify convolutions' gradients as matrix products
+  before profiling: compute strided convolutions' gradients over space-to-depth blocks
   (``remat.patch_convs``), run stride-1 convolution gradients with TF's kernels that need no
   scratch buffer (``remat.conv_grad_kernels``), batch products against one shared matrix and their weight
   gradients as one matrix product (``remat.flat_matmuls``), sum gradient contributions as they arrive

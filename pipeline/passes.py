@@ -42,7 +42,8 @@ class GraphPass:
 
 GRAPH_PASSES = (
     GraphPass("patch_convs", "graphfit.remat.patch_convs:patchify_conv_gradients",
-              "gradients of patchify convolutions as matrix products, no column buffer"),
+              "strided convolution gradients over space-to-depth blocks, no column "
+              "buffer"),
     GraphPass("conv_grad_kernels", "graphfit.remat.conv_grad_kernels:use_eigen_conv_gradients",
               "stride-1 convolution gradients on TF's kernels that need no im2col buffer"),
     GraphPass("flat_matmuls", "graphfit.remat.flat_matmuls:flatten_shared_matmuls",

@@ -35,6 +35,13 @@ off and the BFC allocator both rulers read 4.0-4.2 MiB either way. On the Keras 
 read 9.5 MB: the records did not overcount, the allocator missed its small buffers.
 ``remat.measure`` therefore takes the larger of the two with oneDNN on.
 
+Which allocator is read follows the step's placement (``allocator_devices``): the CPU's
+(every CPU device of a process, virtual ones included, shares it) for a step on CPUs; for a
+step placed on GPUs (``/GPU:i``, or unplaced in a process that sees a GPU, where TF's placer
+puts it on the first) each of those GPUs' BFC allocators, which always keep statistics and
+count every buffer, and the reading is of the GPU that added most. Only the CPU path is
+measured here (this machine has no GPU).
+
 Grappler (``profiler.session``) and oneDNN run some ops inside another node (the remapper's
 ``_FusedMatMul`` carries the name of the ``Relu`` it ends with) or fold them away: such an op,
 all of whose readers were measured, costs 0 in the profile (no time, no output buffer): its
@@ -50,7 +57,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import tensorflow as tf
@@ -58,18 +65,19 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.profile import DeviceMemory, OpCost, Profile, graph_fingerprint
 from graphfit.profiler.progress import progress_bar
-from graphfit.profiler.session import make_session
+from graphfit.profiler.session import make_session, onednn_enabled
 from graphfit.profiler.tf_import import VARIABLE_OP_TYPES, variable_bytes, step_operations
 
 # The process-wide CPU allocator, shared by a session's (virtual) CPU devices: its peak over a
 # traced step is the independent check of the peak replayed from allocation records.
-_ALLOCATOR_DEVICE = "CPU:0"
+CPU_ALLOCATOR = "CPU:0"
 # With oneDNN on, the CPU allocator's statistics leave out every buffer below this size
 # (module docstring).
 ONEDNN_UNCOUNTED_BYTES = 262144
 
 __all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress",
-           "AllocatorPeak", "traced_peak_bytes", "ONEDNN_UNCOUNTED_BYTES"]
+           "AllocatorPeak", "allocator_devices", "default_allocator", "uncounted_below_bytes",
+           "traced_peak_bytes", "CPU_ALLOCATOR", "ONEDNN_UNCOUNTED_BYTES"]
 
 
 def print_progress(message: str) -> None:
@@ -77,39 +85,90 @@ def print_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def default_allocator() -> str:
+    """The allocator of an op placed nowhere: TF's placer puts it on the first GPU when the
+    process sees one (every op with a GPU kernel), else on the CPU."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else CPU_ALLOCATOR
+
+
+def allocator_devices(device_names: Iterable[str], default: str = CPU_ALLOCATOR) -> list[str]:
+    """The allocators (``get_memory_info``'s names, ``"CPU:0"``, ``"GPU:i"``) that hold a
+    step whose ops are placed on ``device_names`` (``"/device:GPU:1"``, a full
+    ``/job:.../device:CPU:0`` name; ``""``: placed by TF, on ``default``).
+
+    Every CPU device of a process, virtual ones included, allocates from the one CPU allocator.
+    A step on GPUs is read by their allocators only: what it holds in host memory (fed
+    batches, shapes) is not what a GPU budget is about, and the CPU's allocator keeps no
+    statistics by default anyway. Sorted, so readings line up between runs.
+
+    Examples:
+        >>> allocator_devices(["", "/device:CPU:1"])
+        ['CPU:0']
+        >>> allocator_devices(["/job:localhost/replica:0/task:0/device:GPU:1", "/CPU:0"])
+        ['GPU:1']
+        >>> allocator_devices(["", "/device:GPU:1"], default="GPU:0")
+        ['GPU:0', 'GPU:1']
+    """
+    allocators = set()
+    for name in device_names:
+        spec = tf.DeviceSpec.from_string(name) if name else None
+        if spec is None or spec.device_type is None:
+            allocators.add(default)
+        elif spec.device_type.upper() == "GPU":
+            allocators.add(f"GPU:{spec.device_index or 0}")
+        else:
+            allocators.add(CPU_ALLOCATOR)
+    gpus = sorted(a for a in allocators if a.startswith("GPU:"))
+    return gpus or [CPU_ALLOCATOR]
+
+
+def uncounted_below_bytes(allocators: Iterable[str]) -> int:
+    """The size below which the statistics of ``allocators`` leave buffers out:
+    ``ONEDNN_UNCOUNTED_BYTES`` when one is the CPU's with oneDNN on (module docstring), else
+    0 (a GPU's BFC allocator, TF's BFC allocator on the CPU count every buffer)."""
+    return ONEDNN_UNCOUNTED_BYTES if CPU_ALLOCATOR in allocators and onednn_enabled() else 0
+
+
 class AllocatorPeak:
-    """The process's CPU allocator over a ``with`` block: its high-water mark, and what the
-    block added on top of what was in use when it began.
+    """TF's allocators of ``devices`` (``allocator_devices``; default: the one an unplaced op
+    runs on) over a ``with`` block: their high-water mark, and what the block added on top of
+    what was in use when it began.
 
     ``bytes`` is the peak after the block and ``added_bytes`` the peak minus the bytes in use at
-    its start (``reset_memory_stats`` sets the peak to the bytes in use), or both ``None`` if the
-    allocator keeps no statistics (module docstring) or ``enabled`` is false (e.g. a step on a
-    gRPC target, whose workers' allocators are not this process's). ``added_bytes`` is what a
-    step costs whatever else the process holds (a Keras model's own weights, other sessions'
-    variables): the reading ``remat.measure`` compares steps by.
+    its start (``reset_memory_stats`` sets the peak to the bytes in use), of the device that
+    added most (one device: its own reading), or both ``None`` if an allocator keeps no
+    statistics (module docstring) or ``enabled`` is false (e.g. a step on a gRPC target, whose
+    workers' allocators are not this process's). ``added_bytes`` is what a step costs whatever
+    else the process holds (a Keras model's own weights, other sessions' variables): the
+    reading ``remat.measure`` compares steps by.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, devices: Iterable[str] | None = None):
         self.bytes: int | None = None
         self.added_bytes: int | None = None
+        self.devices = list(devices or [default_allocator()])
         self._kept = enabled
-        self._start = 0
+        self._start: dict[str, int] = {}
 
     def __enter__(self) -> "AllocatorPeak":
         if self._kept:
             try:
-                tf.config.experimental.reset_memory_stats(_ALLOCATOR_DEVICE)
+                for device in self.devices:
+                    tf.config.experimental.reset_memory_stats(device)
             except ValueError:      # "Cannot reset memory stats": no statistics kept
                 self._kept = False
             else:
-                self._start = int(
-                    tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["current"])
+                self._start = {device: int(tf.config.experimental.get_memory_info(device)
+                                           ["current"]) for device in self.devices}
         return self
 
     def __exit__(self, *exc_info) -> None:
         if self._kept:
-            self.bytes = int(tf.config.experimental.get_memory_info(_ALLOCATOR_DEVICE)["peak"])
-            self.added_bytes = self.bytes - self._start
+            peaks = {device: int(tf.config.experimental.get_memory_info(device)["peak"])
+                     for device in self.devices}
+            device = max(peaks, key=lambda d: peaks[d] - self._start[d])
+            self.bytes = peaks[device]
+            self.added_bytes = peaks[device] - self._start[device]
 
 
 def traced_peak_bytes(session: tf.compat.v1.Session, graph: tf.Graph, fetches, feeds) -> int:
@@ -282,6 +341,7 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     fetches = step_fetches(item)
     step_ops = step_operations(item.graph, fetches)
     op_names = {op.name for op in step_ops}
+    allocators = allocator_devices({op.device for op in step_ops}, default_allocator())
     runs, step_times, allocator_peaks, allocator_added = [], [], [], []
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     session_factory = session_factory or (lambda g: make_session(g, num_cpu_devices, target))
@@ -292,7 +352,7 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                               enabled=bool(progress)):
             traced = k >= warmup and (k - warmup) % trace_every == 0
             metadata = tf.compat.v1.RunMetadata()
-            with AllocatorPeak(enabled=k >= warmup and not target) as allocator:
+            with AllocatorPeak(k >= warmup and not target, allocators) as allocator:
                 begin = time.perf_counter()
                 session.run(fetches, feeds, options=options if traced else None,
                             run_metadata=metadata if traced else None)
@@ -319,5 +379,6 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                   "warmup": warmup, "trace_every": trace_every,
                   "traced_steps": len(runs), "num_cpu_devices": num_cpu_devices,
                   "fused_ops": len(fused),
+                  "allocator_devices": allocators,
                   "allocator_peak_bytes": allocator_peaks,
                   "allocator_added_bytes": allocator_added})

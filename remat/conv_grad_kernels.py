@@ -54,8 +54,9 @@ convolutions and of a 3-channel input are mixed: input gradients 0.7-1.2x, filte
 0.8-1.8x, and 2.3x for the 3-channel filter gradient. That is memory bought
 with time, without asking the planner (the Keras MobileNet-style step's filter gradients took
 19-25 ms of op time against the user's 13 ms, 2026-12-05): choosing per op, by what the budget
-needs, is not built. Strided gradients keep the default kernels, 1.5-7x faster there, and
-their buffers.
+needs, is not built. Strided gradients, on which the default kernels are 1.5-7x faster, are
+``remat.patch_convs``': it runs them as stride-1 gradients over space-to-depth blocks, which
+this pass then labels.
 
 Skipped with oneDNN on: its layout pass replaces both ops with its own kernels.
 Postconditions: the rewritten graph imports and keeps every node, name and edge.

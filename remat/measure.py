@@ -5,8 +5,9 @@ calibrated by ``remat.tf_memory``) and a compute overhead. This module runs the 
 as the user runs it (TF's default configuration) and the rewritten step under the project's
 (``profiler.session.step_config``) and reports:
 
-- the peak by TF's own allocator where it keeps statistics (a GPU's BFC allocator; on CPU,
-  oneDNN's or ``TF_CPU_ALLOCATOR_USE_BFC=true``): the resident bytes counted from the graph
+- the peak by TF's own allocator where it keeps statistics (the BFC allocator of each GPU
+  the step is placed on; on CPU, oneDNN's or ``TF_CPU_ALLOCATOR_USE_BFC=true``;
+  ``profiler.trace.allocator_devices``): the resident bytes counted from the graph
   plus what the allocator says the step adds above what it held when the step began
   (``StepMeasurement``); elsewhere the peak replayed from the allocator's records of a traced
   step. ``ruler`` names which; the records are reported beside;
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -36,13 +37,13 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import Profile
-from graphfit.profiler.session import OpenSessions, onednn_enabled, step_config, user_config
+from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.step_compare import WeightCheck, compare_steps
-from graphfit.profiler.trace import profile_graph
+from graphfit.profiler.trace import profile_graph, uncounted_below_bytes
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "paired_overhead",
+__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "step_peak", "paired_overhead",
            "paired_overheads", "measure_rewrite",
            "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
 
@@ -109,14 +110,28 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
     added = max(profile.metadata["allocator_added_bytes"], default=None)
-    # oneDNN's allocator counts no buffer below 256 KiB and the records none of oneDNN's own
-    # (``profiler.trace.ONEDNN_UNCOUNTED_BYTES``): both read low there, so the larger rules.
-    records = added is None or (onednn_enabled() and profile.peak_bytes > resident + added)
+    peak, ruler = step_peak(resident, added, profile.peak_bytes,
+                            profile.metadata["allocator_devices"])
     return StepMeasurement(
-        peak_bytes=profile.peak_bytes if records else resident + added,
-        ruler="records" if records else "allocator", resident_bytes=resident,
+        peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
         step_time_us=statistics.median(times), profile=profile)
+
+
+def step_peak(resident_bytes: int, allocator_added_bytes: int | None, records_peak_bytes: int,
+              allocators: Iterable[str]) -> tuple[int, str]:
+    """A step's peak and its ruler (``StepMeasurement``): the resident bytes plus what
+    ``allocators`` read the step adding; or the peak replayed from the allocation records
+    where they keep no statistics (``allocator_added_bytes`` is ``None``), or where their
+    statistics leave small buffers out (oneDNN's CPU allocator, ``profiler.trace.
+    uncounted_below_bytes``) and read less than the records, which in turn leave out
+    oneDNN's own buffers: both read low there, so the larger rules."""
+    records = allocator_added_bytes is None or (
+        uncounted_below_bytes(allocators) > 0
+        and records_peak_bytes > resident_bytes + allocator_added_bytes)
+    if records:
+        return records_peak_bytes, "records"
+    return resident_bytes + allocator_added_bytes, "allocator"
 
 
 def paired_overheads(rewritten: GraphItem,

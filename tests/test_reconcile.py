@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -26,32 +25,26 @@ def _row(model: str, ratio: float) -> dict:
     run = subprocess.run([sys.executable, "-m", "graphfit.bench.reconcile", "--model", model,
                           "--ratio", str(ratio)],
                          capture_output=True, text=True, env=env, timeout=600)
-    refused = re.search(r"BudgetError: .*no plan fits a budget of ([\d,]+) bytes; the minimum "
-                        r"is ([\d,]+) bytes", run.stderr)
-    if run.returncode and refused:
-        # With oneDNN off the Keras ResNet-style step's floor is 0.49 of it (TF's default
-        # kernel of a strided convolution's gradient takes a 32 MiB scratch buffer), and what
-        # the allocator reads it adding moves by up to 11% between fresh processes: one run in
-        # three of 2026-12-06 asked for less than the floor at 0.5. Then the refusal must name
-        # a minimum above the budget; what is reconciled is a step that fits.
-        budget, minimum = (int(group.replace(",", "")) for group in refused.groups())
-        assert minimum > budget, run.stderr[-3000:]
-        pytest.skip(f"this process's budget at {ratio} ({budget:,} bytes) is below the step's "
-                    f"floor ({minimum:,} bytes), and optimize said so")
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-# A ratio where something is recomputed. The zoo resnet and the Keras transformer run in
-# ``bench.reconcile`` only: their baselines vary between fresh processes more than a test can
-# bound (the zoo resnet's by 12%: at 0.6 it recomputed 2-6 ops in four runs and none in a
-# fifth; the transformer's baseline read 1.064 of the allocator around the user's step in one
-# run of the full suite, 1.00 alone, 2026-12-06).
+# The Keras ResNet-style step at 0.5: 64 MiB of the 68 MB its user's step adds are TF's
+# column buffers of convolution gradients (oneDNN off), which the graph passes remove
+# (``remat.patch_convs``, ``remat.conv_grad_kernels``), so the rewritten step is theirs and
+# nothing is recomputed. A ratio low enough to recompute (0.02) sits between the passes'
+# 1.5-1.8 MB and the planner's floor: of four runs one recomputed and fitted, one fitted
+# without recomputing at 1.19 of the budget by the allocator, two were refused after three
+# rounds (2026-12-06). The zoo resnet and the Keras transformer run in ``bench.reconcile`` only:
+# their baselines vary between fresh processes more than a test can bound (the zoo resnet's
+# by 12%: at 0.6 it recomputed 2-6 ops in four runs and none in a fifth; the transformer's
+# baseline read 1.064 of the allocator around the user's step in one run of the full suite,
+# 1.00 alone, 2026-12-06).
 @pytest.mark.parametrize("model,ratio", [("keras_resnet_small", 0.5)])
 def test_report_peaks_are_the_allocators_and_the_step_is_the_users(model, ratio):
     row = _row(model, ratio)
     print(row)
-    assert row["ruler"] == "allocator" and row["num_recomputes"] > 0
+    assert row["ruler"] == "allocator"
     # The baseline is what the allocator reads around the user's own step.
     assert row["baseline_over_user"] == pytest.approx(1.0, abs=0.05)
     # The rewritten step, called as the user calls it, fits the budget.

@@ -77,15 +77,19 @@ def _fused_kernels(item, config) -> dict[str, int]:
 
 
 def _update_chains(item) -> dict[str, int]:
-    """How many filter gradients (``Conv2DBackpropFilter``) the step has, and how many start
-    a planning node that ends in the SGD update's ``Mul``, which writes into their buffer."""
+    """How many filter gradients (``Conv2DBackpropFilter``) the step has, and how many are in a
+    planning node that ends in the SGD update's ``Mul``, which writes into their buffer. A
+    filter gradient is the op of its name: ``remat.patch_convs`` computes a strided one over
+    space-to-depth blocks, ending in an op of that name (a crop or a reshape)."""
     from graphfit.pipeline.passes import run_graph_passes
     from graphfit.remat.tf_memory import tf_memory_model
 
+    gradients = {op.name for op in item.graph.get_operations()
+                 if op.type == "Conv2DBackpropFilter"}
     model = tf_memory_model(run_graph_passes(item)[0])
-    types = model.cost_graph.op_types
-    return {"filter_gradients": types.count("Conv2DBackpropFilter"),
-            "chained_into_update": sum(types[m[0]] == "Conv2DBackpropFilter"
+    names, types = model.cost_graph.names, model.cost_graph.op_types
+    return {"filter_gradients": len(gradients),
+            "chained_into_update": sum(any(names[i] in gradients for i in m)
                                        and types[m[-1]] == "Mul" for m in model.members)}
 
 
