@@ -82,8 +82,8 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   the group's end, so clones run fused as in the user's step.
 - **Grappler itself.** A ``Pow`` with a control input makes Grappler's arithmetic optimizer
   emit an invalid node, and the session then runs the whole step without Grappler (keras-hub's
-  GPT-2 at 0.5: 1.49x the user's step instead of 1.09x); ``profiler.pow_conversions`` moves
-  the edges onto a gate.
+  GPT-2 and BERT at 0.5 ran 1.5-2x the user's step so; bench/RESULTS.md);
+  ``profiler.pow_conversions`` moves the edges onto a gate.
 - **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
