@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+HUB_PINS := keras-hub==0.32.0 regex==2026.12.2 tokenizers==0.23.3
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: setup train test bench bazel bazel-deps sweep clean
@@ -12,6 +13,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[dev]'
+	# pyproject's `hub` extra, without its requirements (they would replace tensorflow-cpu).
+	$(PY) -m pip install -q --no-deps $(HUB_PINS)
 	touch $@
 
 # The main job: an mlp step (16 layers of 256, batch 2048) that peaks at 40 MiB on one device

@@ -31,8 +31,9 @@ The simulated peaks also assume each device runs its ops one at a time in the pl
 and that an op waits for the releases the plan made before it (the repair step waits for memory
 to be freed, often by an op on another device). ``ordering`` (``Placement.memory_order()``)
 writes these as control edges; Grappler's remapper would then leave ``MatMul`` + ``BiasAdd`` +
-activation groups unfused, so ``profiler.remapper_fusions`` moves the edges off those groups
-without changing what runs after what.
+activation groups unfused, and an edge into a ``Pow`` would stop Grappler on the whole step,
+so ``profiler.remapper_fusions`` and ``profiler.pow_conversions`` move the edges off those
+nodes without changing what runs after what.
 
 Reference: Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs", SoCC 2020
 (placements are written as TF device assignments).
@@ -49,6 +50,7 @@ from graphfit.baechi.schedule import PlacementError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.trace import step_fetches
+from graphfit.profiler.pow_conversions import keep_pow_conversions
 from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["ColocationError", "apply_placement", "enforced_colocation_groups"]
@@ -132,7 +134,7 @@ def _gate_sends(graph_def, graph: tf.Graph, gated_reads: Sequence[Mapping]) -> N
 
 def _order(graph_def, ordering: Sequence[tuple[str, str]]) -> None:
     """Add each ``(before, after)`` of ``ordering`` as a control input of ``after``, then keep
-    the remapper's fusions (module docstring)."""
+    Grappler's ``Pow`` conversions and the remapper's fusions (module docstring)."""
     nodes = {node.name: node for node in graph_def.node}
     for before, after in ordering:
         if before not in nodes or after not in nodes:
@@ -141,6 +143,7 @@ def _order(graph_def, ordering: Sequence[tuple[str, str]]) -> None:
         if "^" + before not in nodes[after].input:
             nodes[after].input.append("^" + before)
     if ordering:
+        keep_pow_conversions(graph_def)
         keep_remapper_fusions(graph_def)
 
 

@@ -40,13 +40,25 @@ import tensorflow as tf
 from graphfit.profiler.graph_def_walk import GraphDefPassError, split_input, topological_order
 
 __all__ = ["CONTRACTION_OP_TYPES", "ACTIVATION_OP_TYPES", "GATE_SUFFIX", "DONE_SUFFIX",
-           "keep_remapper_fusions"]
+           "gate_node", "keep_remapper_fusions"]
 
 CONTRACTION_OP_TYPES = frozenset({"MatMul", "Conv2D", "DepthwiseConv2dNative"})
 # Activations the remapper fuses after a contraction and its BiasAdd (CPU, TF 2.21).
 ACTIVATION_OP_TYPES = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
 GATE_SUFFIX = "/fusion_gate"
 DONE_SUFFIX = "/fusion_done"
+
+
+def gate_node(name: str, source: str, member: tf.compat.v1.NodeDef) -> tf.compat.v1.NodeDef:
+    """A new ``Identity`` named ``name`` of ``source`` (an input or the output of ``member``, so
+    of ``member``'s type ``T``), on ``member``'s device and colocated with it: a placer that put
+    it elsewhere would copy the tensor across. ``pipeline.verify`` knows it by its name's
+    suffix and its colocation."""
+    node = tf.compat.v1.NodeDef(name=name, op="Identity", device=member.device)
+    node.input.append(source)
+    node.attr["T"].CopyFrom(member.attr["T"])
+    node.attr["_class"].list.s.append(f"loc:@{member.name}".encode())
+    return node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,21 +144,15 @@ def keep_remapper_fusions(graph_def: tf.compat.v1.GraphDef) -> dict:
     new_nodes: dict[str, tf.compat.v1.NodeDef] = {}
 
     def helper(name: str, source: str, member: str) -> tf.compat.v1.NodeDef:
-        # An Identity named ``name`` (made once) of ``source``, an input or the output of
-        # ``member``, so of ``member``'s type ``T``; on ``member``'s device and colocated with
-        # it (a placer that put it elsewhere would copy the tensor across). One made by an
-        # earlier run of this pass (a later pass added edges: a placement's order) is reused.
+        # The ``gate_node`` named ``name`` (made once) of ``source``. One made by an earlier
+        # run of this pass (a later pass added edges: a placement's order) is reused.
         if name in nodes:
             node = nodes[name]
             if node.op != "Identity" or not node.input or node.input[0] != source:
                 raise GraphDefPassError(f"cannot add {name!r}: the graph has that node")
             return node
         if name not in new_nodes:
-            node = tf.compat.v1.NodeDef(name=name, op="Identity", device=nodes[member].device)
-            node.input.append(source)
-            node.attr["T"].CopyFrom(nodes[member].attr["T"])
-            node.attr["_class"].list.s.append(f"loc:@{member}".encode())
-            new_nodes[name] = node
+            new_nodes[name] = gate_node(name, source, nodes[member])
         return new_nodes[name]
 
     control_readers = collections.defaultdict(set)   # group -> non-member control readers

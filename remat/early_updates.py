@@ -26,7 +26,9 @@ never clones a variable read): a clone the plan put before the update gets its e
 the plan put after it cannot (that would be a cycle) and is counted in ``late_readers``.
 
 Edges into or out of a contraction + ``BiasAdd`` + activation group would keep Grappler's
-remapper from fusing it: ``profiler.remapper_fusions`` moves them off, as after the rewrite.
+remapper from fusing it, and one into a ``Pow`` would stop Grappler on the whole step:
+``profiler.remapper_fusions`` and ``profiler.pow_conversions`` move them off, as after the
+rewrite.
 
 Preconditions: an acyclic step. Postconditions: the rewritten graph imports, is acyclic, keeps
 every fetched name, no barrier ``IdentityN`` is read any more, and every read of a variable's
@@ -42,6 +44,7 @@ import tensorflow as tf
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.graph_def_walk import (GraphDefPassError, Reachability, ancestors, rebuild,
                                            split_input)
+from graphfit.profiler.pow_conversions import keep_pow_conversions
 from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 
 __all__ = ["VARIABLE_WRITE_OP_TYPES", "apply_updates_early", "order_updates_after_reads"]
@@ -133,6 +136,7 @@ def order_updates_after_reads(item: GraphItem) -> tuple[GraphItem, dict]:
     record = _order(graph_def, item.train_op)
     if not record["ordering_edges"]:
         return item, record
+    record["pows_gated"] = keep_pow_conversions(graph_def)
     record["remapper_groups_freed"] = keep_remapper_fusions(graph_def)["freed"]
     return rebuild(item, graph_def, "update_order", record, exact_graph=True), record
 
@@ -195,5 +199,6 @@ def apply_updates_early(item: GraphItem) -> tuple[GraphItem, dict]:
         return item, {"changed": False, "barriers": 0, "ordering_edges": 0}
     record = {"changed": True, "barriers": barriers,
               "ordering_edges": _order(graph_def, item.train_op)["ordering_edges"],
+              "pows_gated": keep_pow_conversions(graph_def),
               "remapper_groups_freed": keep_remapper_fusions(graph_def)["freed"]}
     return rebuild(item, graph_def, "early_updates", record, exact_graph=True), record

@@ -80,6 +80,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   ``BiasAdd`` and activation as one kernel only when none of them has a control edge, which
   the pinning gives them; ``profiler.remapper_fusions`` then moves those edges onto gates and onto
   the group's end, so clones run fused as in the user's step.
+- **Grappler itself.** A ``Pow`` with a control input makes Grappler's arithmetic optimizer
+  emit an invalid node, and the session then runs the whole step without Grappler (keras-hub's
+  GPT-2 and BERT at 0.5 ran 1.5-2x the user's step so; bench/RESULTS.md);
+  ``profiler.pow_conversions`` moves the edges onto a gate.
 - **Safety.** Stateful, random and variable ops, ops that read a resource (a variable read
   repeated after the optimizer wrote the variable would see the new value) and placeholders
   are never cloned: a plan that asks for it raises ``RematRewriteError``.
@@ -116,6 +120,7 @@ from graphfit.profiler.trace import step_fetches
 from graphfit.profiler.graph_def_walk import GraphDefPassError, topological_order
 from graphfit.remat.grappler_pins import repin_removed_anchors
 from graphfit.remat.recompute_graph import clone_name
+from graphfit.profiler.pow_conversions import keep_pow_conversions
 from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 from graphfit.remat.tf_memory import FUSABLE_PAIRS, IDENTITY_OP_TYPES
 from graphfit.remat.validate import recomputable_ops
@@ -308,7 +313,12 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
     Ops that read only shapes of the feeds (a Keras step's first loss-gradient op divides by
     the batch size) and BatchNorm's moving-average updates read forward tensors long before
     the backward pass: pinning from one of them chained the whole forward pass too (measured
-    on the Keras conv net: from op 88 of 1156 on)."""
+    on the Keras conv net: from op 88 of 1156 on). So do gradient ops of forward tensors and
+    constants alone, which TF runs as soon as the forward tensor exists: GELU's gradient
+    reads ``Pow(x, 2)`` of its input ``x``; on keras-hub's GPT-2 (4 layers) the chain began at
+    the first layer's GELU, and the forward pass ran 34 ms of a 335 ms step unchained. So the
+    backward pass starts after the loss in ``computed``'s order (unless the cost graph lacks
+    the loss op): what TF ran before it, whatever its scope, ran beside the forward pass."""
     loss_op = item.graph.get_operation_by_name(item.loss.split(":")[0])
     while loss_op.type == "Identity":
         loss_op = loss_op.inputs[0].op
@@ -324,9 +334,11 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
                                    for t in item.graph.get_operation_by_name(name).inputs):
             activations.add(name)
     scoped = any(BACKWARD_SCOPE.search(name) for name in cost_graph.names)
+    loss_ran = loss_op.name not in cost_graph.index
     for index in computed:
         name = cost_graph.names[index]
-        if (name in forward or cost_graph.op_types[index] in _SHAPE_OP_TYPES or
+        loss_ran = loss_ran or name == loss_op.name
+        if (not loss_ran or name in forward or cost_graph.op_types[index] in _SHAPE_OP_TYPES or
                 (scoped and not BACKWARD_SCOPE.search(name))):
             continue
         if any(t.op.name in activations and t.dtype != tf.resource
@@ -527,6 +539,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     _check_acyclic(graph_def)
     repinned = repin_removed_anchors(graph_def, anchors, step_fetches(item), session_config())
     unfused = _protect_fusions(graph_def)
+    pows_gated = keep_pow_conversions(graph_def)
     fusions = keep_remapper_fusions(graph_def)
     graph = tf.Graph()
     with graph.as_default():
@@ -537,6 +550,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
                                   "repinned_after_grappler": repinned,
                                   "unfused_pairs": unfused,
                                   "remapper_groups_freed": fusions["freed"],
+                                  "pows_gated": pows_gated,
                                   "pinned_from": pinned_from if pin_order != "clones" else None,
                                   "method": plan.method},
                         EXACT_GRAPH: True}

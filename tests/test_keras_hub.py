@@ -1,9 +1,10 @@
 """A keras-hub model through ``optimize_model``: a GPT-2 backbone (random weights,
 ``vocabulary_size=1000, num_layers=2``) whose step takes a dict of inputs, at half its peak.
 
-keras-hub is not a dependency: ``pip install keras-hub`` would replace ``tensorflow-cpu`` with
-``tensorflow``. Install it without its dependencies plus the two it needs to import,
-``pip install --no-deps keras-hub==0.32.0 regex tokenizers``; without it this test is skipped.
+keras-hub is an optional dependency: ``pip install keras-hub`` would replace ``tensorflow-cpu``
+with ``tensorflow``, so pyproject pins it in its ``hub`` extra and ``make setup`` installs those
+pins without their dependencies, ``pip install --no-deps keras-hub==0.32.0 regex==2026.12.2
+tokenizers==0.23.3`` (the two it needs to import); without it this test is skipped.
 (On 2026-12-06 here: 105 recomputations, measured 25.7 MiB against a 27.0 MiB budget and a
 54.1 MiB peak, loss and gradients equal, 65 s.)
 """

@@ -53,3 +53,16 @@ def test_users_own_models_module_stays_importable(wheel, tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("the user graphfit.models"), result.stdout
+
+
+def test_make_setup_installs_the_hub_extra_without_its_requirements():
+    """keras-hub's requirements would replace tensorflow-cpu: the Makefile installs
+    pyproject's ``hub`` pins with ``--no-deps``, the very same pins."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")        # Python 3.11+
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["hub"]
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^HUB_PINS := (.*)$", makefile, re.M).group(1).split() == pins
+    assert "pip install -q --no-deps $(HUB_PINS)" in makefile

@@ -314,3 +314,57 @@ def test_memory_model_sees_identity_views_and_never_chains_constants():
     inputs = [t.name for t in rewritten.graph.get_operation_by_name("product").inputs]
     assert inputs == ["a/remat_1:0", "views:1"]
     compare_steps(item, rewritten).check()
+
+
+def test_a_gradient_op_of_forward_tensors_alone_does_not_start_the_chain():
+    """GELU's gradient reads ``Pow(x, 2)`` of its input and a constant alone, so TF runs it in
+    the forward pass, as soon as ``x`` exists; the chain must not begin there (on keras-hub's
+    GPT-2 it chained the forward pass from the first layer on), but at the first gradient op
+    after the loss that reads an activation."""
+    import numpy as np
+    import tensorflow as tf
+
+    from graphfit.models.graph_item import GraphItem
+    from graphfit.remat.recompute_graph import recompute_graph
+    from graphfit.remat.rewrite import backward_start
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 16], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=tf.ones([16, 16]) * 0.1)
+        h = tf.matmul(x, w, name="h")
+        gelu = tf.add(h, 0.044715 * tf.pow(h, 3.0, name="cube"), name="gelu")
+        loss = tf.reduce_sum(tf.square(gelu), name="loss")
+        gradient, = tf.gradients(loss, [w])
+        train_op = tf.compat.v1.assign_sub(w, 0.01 * gradient, name="train_op").op
+        init_op = tf.compat.v1.global_variables_initializer()
+    item = GraphItem(graph, train_op.name, loss.name, [gradient.name], init_op.name,
+                     {"x:0": np.ones([8, 16], np.float32)})
+    cost_graph = _step_graph(item)
+    early = next(name for name in cost_graph.names
+                 if name.startswith("gradients/") and cost_graph.op_types[
+                     cost_graph.index[name]] == "Pow")
+    # The order TF's trace shows: the gradient's Pow (after the constants it reads) beside
+    # the forward op that reads the same tensor.
+    moved, stack = set(), [cost_graph.index[early]]
+    while stack:
+        op = stack.pop()
+        if op > cost_graph.index["cube"] and op not in moved:
+            moved.add(op)
+            stack.extend(cost_graph.predecessors(op))
+    order = [i for i in range(cost_graph.num_ops) if i not in moved]
+    at = order.index(cost_graph.index["cube"])
+    order[at:at] = sorted(moved)
+    start = backward_start(item, cost_graph, order)
+    assert start is not None and start != early
+    assert order.index(cost_graph.index[start]) > order.index(cost_graph.index["loss"])
+    # The recompute graph (the rewritten step's model) chains nothing before that op either.
+    plan = plan_from_schedule(cost_graph, order, None, "hand")
+    unrolled = recompute_graph(cost_graph, plan, item.loss).graph
+
+    def controls(graph, name):
+        return {graph.names[c] for c in graph.control_inputs(graph.index[name])}
+
+    chained = [order.index(cost_graph.index[name]) for name in unrolled.names
+               if controls(unrolled, name) != controls(cost_graph, name)]
+    assert chained and min(chained) > order.index(cost_graph.index[start])
