@@ -89,27 +89,29 @@ def _inflate_first_rounds(monkeypatch, rounds: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_measured_peak_over_the_budget_is_planned_again_lower_as_a_strict_chain(item,
-                                                                                 monkeypatch):
-    _inflate_first_rounds(monkeypatch, rounds=1)
+def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(item,
+                                                                              monkeypatch):
+    _inflate_first_rounds(monkeypatch, rounds=2)
     remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
-    first, lower = remat["rounds"]
+    first, strict, lower = remat["rounds"]
     planning_budgets = [r["planning_budget_bytes"] for r in remat["rounds"]]
     resident = first["measured_resident_bytes"]
     assert first["measured_peak_bytes"] - resident > 1.05 * (remat["budget_bytes"] - resident)
-    # The first round lets events float; the next plans a strict chain for a budget lowered
-    # by the excess of what the step adds above its resident bytes.
-    assert first["side_by_side_events"] > 0 and lower["side_by_side_events"] == 0
-    assert planning_budgets[1] == pytest.approx(
+    # First the events side by side are taken back, at the same budget; then the budget, by
+    # the excess of what the step adds above its resident bytes.
+    assert first["side_by_side_events"] > 0 and strict["side_by_side_events"] == 0
+    assert planning_budgets[1] == planning_budgets[0]
+    assert planning_budgets[2] == pytest.approx(
         resident + (planning_budgets[0] - resident) / 1.1, rel=1e-5)
-    assert remat["planning_budget_bytes"] == planning_budgets[1]
+    assert lower["side_by_side_events"] == 0
+    assert remat["planning_budget_bytes"] == planning_budgets[2]
     assert remat["measured_peak_bytes"] <= 1.05 * remat["budget_bytes"]
 
 
 @pytest.mark.slow
 def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(item, monkeypatch):
     _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: min(
-        plan.budget_bytes, int(plan.peak_bytes * 1.08)))
+        plan.budget_bytes, int(plan.peak_bytes * 1.03)))
     remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     assert remat["measured_peak_bytes"] > remat["planned_peak_bytes"]
     assert len(remat["rounds"]) == 1 and remat["side_by_side_events"] > 0
