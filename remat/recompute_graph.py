@@ -65,16 +65,12 @@ class RecomputeGraph:
 
 
 def _backward_start(graph: CostGraph, plan: RematPlan, loss: str | None) -> int | None:
-    """The first op computed after the loss, outside its fan-in, that reads a tensor the
-    forward pass computed (not a constant, feed or variable read), as
-    ``remat.rewrite.backward_start`` finds it; ``None``: no loss or no such op."""
+    """The first op computed outside the loss's fan-in that reads a tensor the forward pass
+    computed (not a constant, feed or variable read); ``None``: no loss or no such op."""
     name = loss.split(":")[0] if loss else None
     if name not in graph.index:
         return None
-    loss_op = graph.index[name]          # behind the Identity a tf.function returns
-    while graph.op_types[loss_op] == "Identity" and len(graph.op_inputs(loss_op)):
-        loss_op = int(graph.tensor_producer[graph.op_inputs(loss_op)[0]])
-    forward, stack = set(), [loss_op]
+    forward, stack = set(), [graph.index[name]]
     while stack:
         i = stack.pop()
         if i not in forward:
@@ -82,10 +78,8 @@ def _backward_start(graph: CostGraph, plan: RematPlan, loss: str | None) -> int 
             stack.extend(graph.predecessors(i))
     from_variable = graph.is_variable[graph.tensor_producer]
     computed = {i for i in forward if (~from_variable[graph.op_inputs(i)]).any()}
-    loss_ran = False
     for kind, i in plan.events:
-        loss_ran = loss_ran or (kind == COMPUTE and i == loss_op)
-        if loss_ran and kind == COMPUTE and i not in forward and any(
+        if kind == COMPUTE and i not in forward and any(
                 int(graph.tensor_producer[t]) in computed for t in graph.op_inputs(i)):
             return i
     return None

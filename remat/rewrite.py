@@ -313,12 +313,7 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
     Ops that read only shapes of the feeds (a Keras step's first loss-gradient op divides by
     the batch size) and BatchNorm's moving-average updates read forward tensors long before
     the backward pass: pinning from one of them chained the whole forward pass too (measured
-    on the Keras conv net: from op 88 of 1156 on). So do gradient ops of forward tensors and
-    constants alone, which TF runs as soon as the forward tensor exists: GELU's gradient
-    reads ``Pow(x, 2)`` of its input ``x``; on keras-hub's GPT-2 (4 layers) the chain began at
-    the first layer's GELU, and the forward pass ran 34 ms of a 335 ms step unchained. So the
-    backward pass starts after the loss in ``computed``'s order (unless the cost graph lacks
-    the loss op): what TF ran before it, whatever its scope, ran beside the forward pass."""
+    on the Keras conv net: from op 88 of 1156 on)."""
     loss_op = item.graph.get_operation_by_name(item.loss.split(":")[0])
     while loss_op.type == "Identity":
         loss_op = loss_op.inputs[0].op
@@ -334,11 +329,9 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
                                    for t in item.graph.get_operation_by_name(name).inputs):
             activations.add(name)
     scoped = any(BACKWARD_SCOPE.search(name) for name in cost_graph.names)
-    loss_ran = loss_op.name not in cost_graph.index
     for index in computed:
         name = cost_graph.names[index]
-        loss_ran = loss_ran or name == loss_op.name
-        if (not loss_ran or name in forward or cost_graph.op_types[index] in _SHAPE_OP_TYPES or
+        if (name in forward or cost_graph.op_types[index] in _SHAPE_OP_TYPES or
                 (scoped and not BACKWARD_SCOPE.search(name))):
             continue
         if any(t.op.name in activations and t.dtype != tf.resource
