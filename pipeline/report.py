@@ -150,11 +150,12 @@ def remat_line(result: "OptimizeResult") -> str | None:
             f"x{remat['planned_overhead']:.2f} planned")
     if remat.get("measured_overhead") is not None:
         text += f", x{remat['measured_overhead']:.2f} measured"
-    if remat.get("overhead_vs_user") is not None:
-        planned = remat.get("planned_step_vs_user")
-        text += ("; step time" + (f" x{planned:.2f} of your step planned," if planned else "")
-                 + f" x{remat['overhead_vs_user']:.2f}"
-                 + (" measured" if planned else " of your step measured"))
+    measured_step, planned_step = remat.get("overhead_vs_user"), remat.get("planned_step_vs_user")
+    if planned_step is not None:
+        text += (f"; step time x{planned_step:.2f} of your step planned, "
+                 f"x{measured_step:.2f} measured")
+    elif measured_step is not None:
+        text += f"; step time x{measured_step:.2f} of your step measured"
     if "loss_match" in remat:
         equal = remat["loss_match"] and remat["gradients_match"]
         text += f"; loss and gradients equal: {'yes' if equal else 'NO'}"

@@ -10,7 +10,6 @@ import numpy as np
 import tensorflow as tf
 
 from graphfit.profiler.pow_conversions import keep_pow_conversions
-from graphfit.profiler.session import session_config
 
 
 def _gelu_like() -> tf.compat.v1.GraphDef:
@@ -30,23 +29,16 @@ def _gelu_like() -> tf.compat.v1.GraphDef:
     return graph.as_graph_def()
 
 
-def _run(graph_def: tf.compat.v1.GraphDef, x: np.ndarray) -> tuple[float, dict]:
-    """The result and the graph the session ran (op type by node name), Grappler at the
-    project's configuration."""
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(graph_def, name="")
-    metadata = tf.compat.v1.RunMetadata()
-    with tf.compat.v1.Session(graph=graph, config=session_config()) as session:
-        value = session.run("result:0", {"x:0": x}, run_metadata=metadata,
-                            options=tf.compat.v1.RunOptions(output_partition_graphs=True))
-    return value, {n.name: n.op for g in metadata.partition_graphs for n in g.node}
+def _ops_by_name(run_optimized, graph_def, x) -> tuple[float, dict]:
+    """The result and the graph the session ran (op type by node name)."""
+    value, nodes = run_optimized(graph_def, x)
+    return value, {n.name: n.op for n in nodes}
 
 
-def test_a_pinned_pow_turns_grappler_off_and_its_gate_turns_it_back_on():
+def test_a_pinned_pow_turns_grappler_off_and_its_gate_turns_it_back_on(run_optimized):
     x = np.resize(np.linspace(-1.5, 1.5, 97, dtype=np.float32), [64, 64])
     graph_def = _gelu_like()
-    value, ran = _run(graph_def, x)
+    value, ran = _ops_by_name(run_optimized, graph_def, x)
     # Grappler's output was refused: the graph ran as written, Identity and all.
     assert ran["cube"] == "Pow" and ran["grad_square"] == "Pow" and "a" in ran
 
@@ -56,7 +48,7 @@ def test_a_pinned_pow_turns_grappler_off_and_its_gate_turns_it_back_on():
     assert nodes["cube"].input[0] == "cube/fusion_gate"
     assert list(nodes["cube/fusion_gate"].input) == ["a", "^anchor"]   # still after anchor
     assert list(nodes["cube/fusion_gate"].attr["_class"].list.s) == [b"loc:@cube"]
-    gated_value, gated_ran = _run(graph_def, x)
+    gated_value, gated_ran = _ops_by_name(run_optimized, graph_def, x)
     assert "Pow" not in collections.Counter(gated_ran.values())
     assert gated_ran["grad_square"] == "Square" and gated_ran["cube"] == "Mul"
     np.testing.assert_allclose(gated_value, value, rtol=1e-5)

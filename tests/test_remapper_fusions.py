@@ -47,19 +47,6 @@ def _dense(conv: bool, reader_feeds_bias: bool = False) -> tf.compat.v1.GraphDef
     return graph.as_graph_def()
 
 
-def _run(graph_def: tf.compat.v1.GraphDef, x: np.ndarray) -> tuple[float, collections.Counter]:
-    """The result and the op types of the graph the session ran, Grappler at the project's
-    configuration."""
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(graph_def, name="")
-    metadata = tf.compat.v1.RunMetadata()
-    with tf.compat.v1.Session(graph=graph, config=session_config()) as session:
-        value = session.run("result:0", {"x:0": x}, run_metadata=metadata,
-                            options=tf.compat.v1.RunOptions(output_partition_graphs=True))
-    return value, collections.Counter(n.op for g in metadata.partition_graphs for n in g.node)
-
-
 def _ancestors(graph_def: tf.compat.v1.GraphDef, name: str) -> set[str]:
     inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
     seen, stack = set(), [name]
@@ -71,12 +58,18 @@ def _ancestors(graph_def: tf.compat.v1.GraphDef, name: str) -> set[str]:
     return seen
 
 
+def _op_types(run_optimized, graph_def, x) -> tuple[float, collections.Counter]:
+    """The result and the op types of the graph the session ran."""
+    value, nodes = run_optimized(graph_def, x)
+    return value, collections.Counter(n.op for n in nodes)
+
+
 @pytest.mark.parametrize("conv", [False, True])
-def test_edges_move_off_the_group_and_the_remapper_fuses_it(conv):
+def test_edges_move_off_the_group_and_the_remapper_fuses_it(conv, run_optimized):
     graph_def = _dense(conv)
     x = np.linspace(-2, 2, 50 if conv else 16, dtype=np.float32)
     x = np.resize(x, [2, 5, 5, 3] if conv else [2, 8])
-    value, ran = _run(graph_def, x)
+    value, ran = _op_types(run_optimized, graph_def, x)
     assert ran["Relu"] == 1 and ran["BiasAdd"] == 1      # the edges keep the group apart
 
     record = keep_remapper_fusions(graph_def)
@@ -90,7 +83,7 @@ def test_edges_move_off_the_group_and_the_remapper_fuses_it(conv):
     assert all("anchor" in _ancestors(graph_def, m) for m in members)
     assert members <= _ancestors(graph_def, "after")
     assert nodes["c"].input[0] == "c/fusion_gate"
-    fused_value, fused_ran = _run(graph_def, x)
+    fused_value, fused_ran = _op_types(run_optimized, graph_def, x)
     assert fused_ran["_FusedConv2D" if conv else "_FusedMatMul"] == 1
     assert not {"Relu", "BiasAdd", "MatMul", "Conv2D"} & set(fused_ran)
     np.testing.assert_allclose(fused_value, value, rtol=1e-6)
@@ -139,7 +132,7 @@ def test_gates_and_ends_stay_with_their_group():
     assert list(nodes["r/fusion_done"].attr["_class"].list.s) == [b"loc:@r"]
 
 
-def test_a_second_run_reuses_the_helpers_of_the_first():
+def test_a_second_run_reuses_the_helpers_of_the_first(run_optimized):
     """A placement's order adds edges to a step the rewrite already freed: the pass runs again,
     moves the new edges onto the same gate and end, and the group still fuses."""
     graph_def = _dense(conv=False)
@@ -157,5 +150,5 @@ def test_a_second_run_reuses_the_helpers_of_the_first():
     assert "^anchor_2" in nodes["b/fusion_gate"].input
     assert "^r/fusion_done" in nodes["out"].input and "^b" not in nodes["out"].input
     x = np.resize(np.linspace(-2, 2, 16, dtype=np.float32), [2, 8])
-    _, ran = _run(graph_def, x)
+    _, ran = _op_types(run_optimized, graph_def, x)
     assert ran["_FusedMatMul"] == 1
