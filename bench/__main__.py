@@ -29,6 +29,7 @@ BENCHMARKS = {
     "placement": "graphfit.bench.placement",
     "loops": "graphfit.bench.loops",
     "reach": "graphfit.bench.reach",
+    "planning_time": "graphfit.bench.planning_time",
     "grappler": "graphfit.bench.grappler",
     "side_by_side": "graphfit.bench.side_by_side",
 }
