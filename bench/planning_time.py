@@ -19,6 +19,7 @@ Writes ``out/bench/planning_time.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -120,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         sys.exit(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
-    try:
-        import keras_hub  # noqa: F401 - only whether it is there
-    except ImportError:
+    if importlib.util.find_spec("keras_hub") is None:
         print("planning_time: keras-hub is not installed (make setup installs it); its "
               "models are skipped", file=sys.stderr)
         names = [n for n in names if not n.startswith("keras_hub_")]
