@@ -28,7 +28,7 @@ if TYPE_CHECKING:   # both import TF; annotations only
 
 __all__ = ["PLANNERS", "BASELINE_PLANNERS", "BudgetError", "CAUSES", "HINT_ROOM",
            "ORDER_SEARCH_SLACK", "cheapest_plan", "plan_for_budget", "planning_orders",
-           "rematerialize", "resident_outputs", "with_smallest_budget"]
+           "rematerialize", "lower_plan", "resident_outputs", "with_smallest_budget"]
 
 BASELINE_PLANNERS = ("checkpoint_all", "chen_sqrt_n", "chen_greedy", "checkmate")
 
@@ -355,10 +355,7 @@ def rematerialize(item: GraphItem,
         Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021.
     """
     from graphfit.remat import baselines
-    from graphfit.remat.rewrite import rewrite
-    from graphfit.remat.side_by_side import expanded_positions, floating_events
-    from graphfit.remat.step_time import chain_head, predict_step_time, step_dependencies
-    from graphfit.remat.tf_memory import MemoryModel, expand_plan, step_item, tf_memory_model
+    from graphfit.remat.tf_memory import MemoryModel, tf_memory_model
 
     if (budget_bytes is None) == (budget_ratio is None):
         raise ArgumentError("give exactly one of budget_bytes and budget_ratio")
@@ -379,6 +376,23 @@ def rematerialize(item: GraphItem,
         budget_bytes = int(budget_ratio * baseline_bytes)
     model, planned = cheapest_plan(planning_orders(item, models), budget_bytes, heuristic,
                                    overhead_limit, item.loss)
+    return lower_plan(item, model, planned, baseline_bytes, side_by_side, step_traces)
+
+
+def lower_plan(item: GraphItem, model: "MemoryModel", planned: RematPlan, baseline_bytes: int,
+               side_by_side: bool = False, step_traces: "StepTraces | None" = None
+               ) -> tuple[GraphItem, RematPlan]:
+    """``rematerialize``'s second half: ``planned`` (a plan of ``model``'s planning graph,
+    ``cheapest_plan``) expanded to ``model``'s ops and rewritten into ``item``, the backward
+    pass a strict chain or, with ``side_by_side``, with floating events (as
+    ``rematerialize``). Apart, so that one plan can be lowered both ways: the closed loop
+    (``remat.closed_loop``) takes a measured step's floating events back without planning
+    again."""
+    from graphfit.remat.rewrite import rewrite
+    from graphfit.remat.side_by_side import expanded_positions, floating_events
+    from graphfit.remat.step_time import chain_head, predict_step_time, step_dependencies
+    from graphfit.remat.tf_memory import expand_plan, step_item
+
     # Events float only where the bound stays within the predicted peak (TF's accounting,
     # below the replay's wherever TF reuses a buffer).
     floats = (floating_events(model.plan_graph, planned, planned.peak_bytes)
