@@ -61,7 +61,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL, takes_eigen_kernel, uses_eigen
-from graphfit.profiler.session import make_session, session_config, step_config
+from graphfit.profiler.session import OpenSessions, make_session, session_config, step_config
 from graphfit.profiler.trace import step_fetches
 
 __all__ = ["NOISE_FACTOR", "StepComparison", "StepMismatchError", "WeightCheck", "compare_steps",
@@ -328,14 +328,34 @@ def _with_variable_reads(item: GraphItem) -> tuple[GraphItem, dict[str, str]]:
     return item.with_graph(graph), reads
 
 
+def _variable_reads(graph: tf.Graph) -> dict[str, str] | None:
+    """Variable name -> a tensor of ``graph`` that reads that variable and nothing else (a
+    ``ReadVariableOp`` of its handle with no control inputs), so that fetched after the step
+    it is the variable's new value without a copy of the graph, whose session is a new one
+    (two on ``keras.applications.ResNet50``: 7,600 nodes each); ``None`` when a variable has
+    no such read (or is a reference variable)."""
+    handles = {op.name for op in graph.get_operations() if op.type == "VarHandleOp"}
+    if any(op.type in ("VariableV2", "Variable") for op in graph.get_operations()):
+        return None
+    reads = {}
+    for op in graph.get_operations():
+        if (op.type == "ReadVariableOp" and not op.control_inputs
+                and op.inputs[0].op.name in handles):
+            reads.setdefault(op.inputs[0].op.name, op.outputs[0].name)
+    return reads if len(reads) == len(handles) else None
+
+
 def _run_step(item: GraphItem, session: Callable[[tf.Graph], tf.compat.v1.Session],
               initial_values: Mapping[str, np.ndarray] | None, read_weights: bool
               ) -> _StepValues:
     """One step of ``item`` in ``session(graph)`` from ``initial_values`` (``None``: its own
-    initialisers'), reading the variables after it when ``read_weights``."""
+    initialisers'), reading the variables after it when ``read_weights`` (with the graph's own
+    reads, ``_variable_reads``, else in a copy of the graph that adds them)."""
     reads: dict[str, str] = {}
     if read_weights:
-        item, reads = _with_variable_reads(item)
+        reads = _variable_reads(item.graph)
+        if reads is None:
+            item, reads = _with_variable_reads(item)
     with session(item.graph) as running:
         initial, loss, gradients = _one_step(item, running, initial_values)
         weights = dict(zip(reads, running.run(list(reads.values())))) if read_weights else None
@@ -346,8 +366,8 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
                   candidate_session: Callable[[tf.Graph], tf.compat.v1.Session] | None = None,
                   rtol: float = 1e-5, atol: float = 1e-6,
                   kernel_order_noise: bool = False, loss_rtol: float | None = None,
-                  atol_of_max: float = 0.0, weights: WeightCheck | None = None
-                  ) -> StepComparison:
+                  atol_of_max: float = 0.0, weights: WeightCheck | None = None,
+                  sessions: OpenSessions | None = None) -> StepComparison:
     """Run one step of ``reference`` on one device and one of ``candidate`` in
     ``candidate_session`` from the same initial variables, and compare loss and gradients
     (and, with ``weights``, the variables after the step, from the same runs).
@@ -369,6 +389,10 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
             passes that keep TF's fusions off some ops.
         weights: compare the variables after the step as well (``WeightCheck``); one twin
             run serves both noises.
+        sessions: run both steps (the default ``candidate_session``) in the pool's open
+            sessions where the graphs are the pool's (no random op to seed, the variables'
+            own reads: ``_variable_reads``): each step starts from its initialisers, run
+            again, and a new session of a large graph costs seconds.
 
     Returns:
         The comparison (``seeded_random_ops``: the unseeded random ops both graphs ran with a
@@ -379,13 +403,20 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
         KeyError: ``candidate`` lacks a tensor the reference's initialisers assign from, or
             a variable of the reference.
     """
+    def session_of(item: GraphItem) -> Callable[[tf.Graph], tf.compat.v1.Session]:
+        """The pool's session of ``item``'s own graph; a new one of a copy."""
+        def session(graph: tf.Graph) -> tf.compat.v1.Session:
+            if sessions is not None and graph is item.graph:
+                return sessions.borrow(graph, step_config(item))
+            return make_session(graph, config=step_config(item))
+        return session
+
+    own_sessions = session_of(reference), session_of(candidate)
     reference, seeded = seed_random_ops(reference)
     candidate, _ = seed_random_ops(candidate)
-    candidate_session = candidate_session or (
-        lambda graph: make_session(graph, config=step_config(candidate)))
+    candidate_session = candidate_session or own_sessions[1]
     read_weights = weights is not None
-    ran = _run_step(reference, lambda graph: make_session(graph, config=step_config(reference)),
-                    None, read_weights)
+    ran = _run_step(reference, own_sessions[0], None, read_weights)
     other = _run_step(candidate, candidate_session, ran.initial, read_weights)
 
     def twin_run() -> _StepValues:

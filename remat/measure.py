@@ -223,7 +223,7 @@ def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
     """
     comparison = compare_steps(original, rewritten, rtol=GRADIENT_RTOL, atol=0.0,
                                loss_rtol=LOSS_RTOL, atol_of_max=GRADIENT_ATOL_OF_MAX,
-                               weights=weights)
+                               weights=weights, sessions=sessions)
     comparison.check()  # a rewrite that changes the loss or gradients is a bug, not a figure
     # Against the step planned under the project's configuration (what the planned overhead
     # predicts) and the user's step under TF's defaults, in the same rounds: the rounds a
