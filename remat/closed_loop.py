@@ -294,6 +294,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             with times.stage("measure_peak"), failing_step("rematerialized"):
                 measured = measure_step(rewritten, sessions=sessions)
             details.update(measured_peak_bytes=measured.peak_bytes,
+                           measured_records_peak_bytes=measured.records_peak_bytes,
                            measured_resident_bytes=measured.resident_bytes,
                            measured_peak_over_budget=measured.peak_bytes / budget)
             rounds.append(details)
