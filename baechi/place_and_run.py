@@ -11,6 +11,7 @@ Reference: Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graph
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from graphfit.baechi.apply import apply_placement
@@ -97,7 +98,7 @@ def _check_devices(devices: DeviceSet, run_target: RunTarget) -> None:
 
 
 def check_placement(item: GraphItem, placed: GraphItem, placement: Placement,
-                    run_target: RunTarget) -> dict:
+                    run_target: RunTarget, fetch_gradients: bool = True) -> dict:
     """Check a placed step against the single-device step and measure it against its plan.
 
     Parameters:
@@ -106,6 +107,14 @@ def check_placement(item: GraphItem, placed: GraphItem, placement: Placement,
             devices written in.
         placement: the plan (its devices' names are ``run_target``'s).
         run_target: where the placed step runs.
+        fetch_gradients: whether the measured step fetches the gradients besides the update
+            and the loss, as the plan assumed: a fetched gradient is held to the step's end,
+            an unfetched one is freed after its update. ``place_item`` plans the step with
+            its gradients fetched (``step_fetches``); joint mode plans the update and the
+            loss only, as a training step runs (``pipeline.joint``), and measured with its
+            gradients fetched the ``make train`` mlp read 0.25-1 MiB over its plan on a
+            device, a 256 KiB weight gradient per layer updated before the peak
+            (2026-12-07). The comparison with ``item`` reads the gradients either way.
 
     Returns:
         The report of ``place_and_check``, plus ``measured_timeline_bytes``: per device its
@@ -121,7 +130,8 @@ def check_placement(item: GraphItem, placed: GraphItem, placement: Placement,
     comparison = compare_steps(item, placed, run_target.session, rtol=PLACEMENT_RTOL)
     comparison.check()
     limits = {name: int(limit) for name, limit in zip(devices.names, devices.memory_bytes)}
-    measured = measure_placed_run(placed, run_target, limits, steps=1, warmup=1, trace_every=1)
+    measured = measure_placed_run(placed if fetch_gradients else dataclasses.replace(
+        placed, gradients=[]), run_target, limits, steps=1, warmup=1, trace_every=1)
     summary = placement.summary()
     names = list(devices.names)
     return {

@@ -375,7 +375,8 @@ def _joint(original: GraphItem, item: GraphItem, space: JointSpace, remat: _Rema
         if remat.verify_structure:
             verify_step(placed)
         if remat.verify:
-            placement = check_placement(original, placed, option.placement, target)
+            placement = check_placement(original, placed, option.placement, target,
+                                        fetch_gradients=False)
         else:
             placement = {"plan": option.placement.summary()}
             run_once(placed, "placed", target.session)

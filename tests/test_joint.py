@@ -235,13 +235,12 @@ def test_placed_step_with_its_memory_order_runs_within_the_limits():
     """The mlp of the demo placed alone over four 4.5 MiB virtual CPUs (m-ETF, memory
     planned as the devices share it), the plan's memory order written into the graph
     (``Placement.memory_order``): the step computes the single device's values and each
-    device's measured peak stays within its limit, to the tolerance ``optimize`` allows a
-    measured peak (``PEAK_TOLERANCE``). Not always within its plan: in runs made while
-    writing this, with the order most devices measured within 1 KiB of the plan and one device
-    held up to 788 KiB more (weight gradients of four layers at once); without it three
-    devices of four held 256-526 KiB more. Two runs of five on 2026-12-04 measured one device
-    up to 12 KB over its 4.5 MiB limit (the executor does not follow the planned order across
-    devices)."""
+    device's measured peak is within its plan, to the tolerance ``optimize`` allows a measured
+    peak (``PEAK_TOLERANCE``; some devices measure less, down to 0.73 of the plan, where TF
+    runs the devices' ops in another order than simulated). Until 2026-12-07 a device held up to 788 KiB more in some
+    runs: weight gradients of four layers at once, since the step was measured fetching its
+    gradients, which the plan (of the update and the loss) frees after their updates
+    (``check_placement(fetch_gradients=False)``)."""
     from graphfit import models
     from graphfit.baechi.run import local_target
 
@@ -254,8 +253,9 @@ def test_placed_step_with_its_memory_order_runs_within_the_limits():
     place = result.report()["place"]
     assert place["memory_order_edges"] > 0 and place["equal_to_single_device"]
     for device in place["devices"]:
-        assert place["measured_peak_bytes"][device] <= \
-            place["limit_bytes"][device] * (1 + PEAK_TOLERANCE)
+        planned, measured = place["planned_peak_bytes"][device], place["measured_peak_bytes"][device]
+        assert measured <= planned * (1 + PEAK_TOLERANCE), (device, planned, measured)
+        assert measured <= place["limit_bytes"][device] * (1 + PEAK_TOLERANCE)
 
 
 def test_search_plans_every_order_it_is_given_and_keeps_the_cheapest(chain):
@@ -298,8 +298,8 @@ def test_an_option_measured_over_its_limits_gives_way_to_the_next(monkeypatch):
 
     real, built = meta_optimizer.check_placement, []
 
-    def check_placement(item, placed, placement, target):
-        report = real(item, placed, placement, target)
+    def check_placement(item, placed, placement, target, **kwargs):
+        report = real(item, placed, placement, target, **kwargs)
         built.append(placement.options["method"])
         if len(built) == 1:                        # the first option measures 10% over
             name = placement.devices.names[0]
