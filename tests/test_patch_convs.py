@@ -6,9 +6,12 @@ import tensorflow as tf
 
 from graphfit.models.training import build_training_step
 from graphfit.profiler.step_compare import compare_steps
+from graphfit.profiler.tf_import import cost_graph_from_graph, step_operations
 from graphfit.profiler.trace import profile_graph
 from graphfit.remat.conv_grad_kernels import use_eigen_conv_gradients
 from graphfit.remat.patch_convs import patchify_conv_gradients
+from graphfit.remat.plan import COMPUTE, Event, RematPlan
+from graphfit.remat.rewrite import backward_start, rewrite
 from graphfit.remat.tf_memory import step_item
 
 
@@ -79,3 +82,32 @@ def test_gradients_on_blocks_already_or_padded_inside_a_block_are_left_alone():
     again, record = patchify_conv_gradients(blocked)
     assert again is blocked
     assert record == {"changed": False, "rewritten": 0, "as_products": 0, "left": 2}
+
+
+def test_a_reshaped_filter_does_not_start_the_backward_pass():
+    """The 1x1 input gradient's reshaped filter (``.../pixels/w``) reads only a weight, so a
+    plan may compute it in the forward pass; the rewrite's chain must not start there, or
+    every later forward node gets an ordering edge and Grappler no longer regroups the
+    forward sums as in the user's step (``keras.applications.ResNet50``, oneDNN off: loss
+    3.3e-6, updates 2.0e-4 off; ``remat.rewrite.backward_start``)."""
+    item, _ = patchify_conv_gradients(_strided_step())
+    graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+    (reshape,) = [i for i, name in enumerate(graph.names) if name.endswith("/pixels/w")]
+    traced = backward_start(item, graph, range(graph.num_ops))
+    # The reshape and what it reads (the filter's handle and read, a shape) first, as a plan
+    # may order them, then the traced order.
+    first, stack = set(), [reshape]
+    while stack:
+        op = stack.pop()
+        if op not in first:
+            first.add(op)
+            stack.extend(int(graph.tensor_producer[t]) for t in graph.op_inputs(op))
+    order = sorted(first) + [i for i in range(graph.num_ops) if i not in first]
+    assert backward_start(item, graph, order) == traced == "gradients/mul_grad/Mul"
+    plan = RematPlan([Event(COMPUTE, i) for i in order], 0, 0, 1.0, 1.0, "hand")
+    rewritten = rewrite(item, graph, plan)
+    forward = {op.name for op in step_operations(item.graph, [item.loss])}
+    assert rewritten.config["remat"]["pinned_from"] > order.index(reshape)
+    assert not [op.name for op in rewritten.graph.get_operations() if op.name in forward and
+                {c.name for c in op.control_inputs} -
+                {c.name for c in item.graph.get_operation_by_name(op.name).control_inputs}]
