@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework.tensor_pb2 import TensorProto
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 from graphfit.errors import GraphfitError
@@ -100,7 +101,7 @@ class _StepValues:
     """What one step of a graph gave: the initial values its initialisers assigned, the loss,
     the gradients, and (when read) every variable after the step."""
 
-    initial: dict[str, np.ndarray]
+    initial: dict[str, np.ndarray | TensorProto]
     loss: float
     gradients: list[np.ndarray]
     weights: dict[str, np.ndarray] | None
@@ -284,15 +285,35 @@ def _initial_value_tensors(item: GraphItem) -> list[str]:
 
 
 def _one_step(item: GraphItem, session: tf.compat.v1.Session,
-              initial_values: Mapping[str, np.ndarray] | None
-              ) -> tuple[dict[str, np.ndarray], float, list[np.ndarray]]:
+              initial_values: Mapping[str, np.ndarray | TensorProto] | None
+              ) -> tuple[dict[str, np.ndarray | TensorProto], float, list[np.ndarray]]:
     """Initialise (with ``initial_values`` fed, if given) and run one step: (initial values,
-    loss, gradients)."""
+    loss, gradients).
+
+    An initial value that is a ``Const`` is its ``TensorProto``, read from the graph, not
+    fetched: fed into a step whose own constant is the same, it need not be fed at all, and
+    the step is initialised as every other run of it was, with no new executor of its session
+    (fetching and feeding the 322 initial values of ``keras.applications.ResNet50``, whose
+    weights a traced Keras step holds as constants, took 3-4 s a step, 2026-12-07)."""
+    graph = item.graph
     names = _initial_value_tensors(item)
-    feeds = {item.graph.get_tensor_by_name(n): v for n, v in (initial_values or {}).items()}
-    values = session.run([item.init_op, names], feeds)[1]
+    constants = {n: graph.get_tensor_by_name(n).op.get_attr("value") for n in names
+                 if graph.get_tensor_by_name(n).op.type == "Const"}
+    computed = [n for n in names if n not in constants]
+    feeds = {}
+    for name, value in (initial_values or {}).items():
+        if isinstance(value, TensorProto):
+            if constants.get(name) == value:
+                continue
+            value = tf.make_ndarray(value)
+        feeds[graph.get_tensor_by_name(name)] = value
+    if computed or feeds:
+        values = session.run([item.init_op, computed], feeds)[1]
+    else:
+        session.run(item.init_op)
+        values = []
     outputs = session.run(step_fetches(item), item.feed_dict())
-    return dict(zip(names, values)), float(outputs[1]), list(outputs[2:])
+    return {**constants, **dict(zip(computed, values))}, float(outputs[1]), list(outputs[2:])
 
 
 def tensors_close(candidate: np.ndarray, reference: np.ndarray, rtol: float,

@@ -67,3 +67,32 @@ def test_unfused_twin_runs_the_same_step_without_fusions():
     comparison = compare_steps(item, unfused_twin(item)[0], kernel_order_noise=True)
     comparison.check()
     assert comparison.max_kernel_noise is not None
+
+
+def test_a_candidate_whose_constant_initial_values_differ_starts_from_the_references():
+    """A traced Keras step holds its weights' initial values as constants, which are compared
+    as graph constants rather than fetched; where the candidate's constant differs, the
+    reference's value is fed, so both steps still start from the same weights."""
+    import keras
+
+    from graphfit.bench.reach import keras_step_item
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    item = keras_step_item("dense", model, keras.optimizers.SGD(0.1), x, np.arange(16) % 4)
+    graph_def = item.graph.as_graph_def()
+    changed = 0
+    for node in graph_def.node:
+        if node.op == "Const" and node.attr["value"].tensor.tensor_shape.dim and not changed:
+            value = tf.make_ndarray(node.attr["value"].tensor)
+            if value.shape == (8, 4):                    # the kernel's initial value
+                node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value + 1.0))
+                changed += 1
+    assert changed == 1
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    comparison = compare_steps(item, item.with_graph(graph))
+    comparison.check()
+    assert comparison.max_abs_gradient_diff == 0.0 < comparison.max_abs_gradient
