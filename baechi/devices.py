@@ -24,11 +24,17 @@ listed links is used. Other keys (the benchmark's raw measurements) are ignored.
 Link models (``DeviceSet.link_model``): how concurrent transfers share the hardware.
 
 - ``"contention"`` (Baechi's model): each device has one channel, for its sends and its
-  receives alike; a transfer holds its sender's and its receiver's channel for its whole
-  duration, so two transfers leaving or entering one device (a send and a receive included)
-  run one after the other. With a send queue and a receive queue per device instead, m-ETF's
-  plans were 1.17-1.40 x longer in Baechi's own simulator (random and layered 2k-op graphs):
-  receives were planned beside the device's sends.
+  receives alike, so two transfers leaving or entering one device (a send and a receive
+  included) run one after the other. A transfer is a send on its sender's channel, from when
+  the tensor exists and that channel is free, and a receive on its receiver's channel, from
+  the send's start or when that channel is free, whichever is later; the copy is there when
+  the receive ends. The sender is free again when its send ends, not held while the receiver
+  is busy: holding both channels for the whole transfer planned m-SCT 1-3% longer than
+  Baechi's own m-SCT in Baechi's simulator on fork-join graphs and random graphs with a
+  2,000-op window (``bench/RESULTS.md``, placement against Baechi). With a send queue and a
+  receive queue per device instead, m-ETF's plans were 1.17-1.40 x longer in Baechi's own
+  simulator (random and layered 2k-op graphs): receives were planned beside the device's
+  sends.
   Real devices share copy engines, PCIe lanes and NICs; this is the default for GPUs, gRPC
   workers and any device not in this process's CPU.
 - ``"parallel"``: every ordered device pair is its own link; transfers on different pairs run

@@ -4,9 +4,10 @@
 times (list scheduling): a unit starts when its device is free and its inputs have arrived;
 a tensor crossing devices is sent once per destination device (later readers there reuse the
 copy), each transfer starting when the tensor exists and its channel is free. Under the
-devices' ``link_model`` (``baechi.devices``) that channel is the sender's and the receiver's
-one channel together (``"contention"``, Baechi's model) or the ordered device pair
-(``"parallel"``). m-TOPO, m-ETF and m-SCT differ only in which unit
+devices' ``link_model`` (``baechi.devices``) that channel is each device's one channel
+(``"contention"``, Baechi's model: the send holds the sender's channel from when the tensor
+and that channel are free, the receive holds the receiver's from then or when it is free, and
+the copy is there when the receive ends) or the ordered device pair (``"parallel"``). m-TOPO, m-ETF and m-SCT differ only in which unit
 they commit next and where; ``simulate`` replays a given placement and order with the same
 machinery, so a placer's schedule and the simulated step are the same computation.
 
@@ -351,7 +352,8 @@ class ScheduleBuilder:
         sends = []
         if needed:
             needed.sort()
-            sent: dict[int, float] = {}  # source -> when its channel to d is free again
+            # source -> when its channel (contention) or its link to d is free again
+            sent: dict[int, float] = {}
             received = self.channel_free[d]
             wanted = max(self.clock, self.device_free[d])  # when u could start on d
             for available, t, src in needed:
@@ -371,15 +373,18 @@ class ScheduleBuilder:
                     available = self.finish[gate]
                 if self.transient_copies and self.monotone and available < self.wait_us[u]:
                     available = self.wait_us[u]  # a unit that waited for memory (hold_sends)
-                if self.contention:
-                    begin = max(available, sent.get(src, self.channel_free[src]), received)
+                if self.contention:  # see the class docstring: send, then receive
+                    send_begin = max(available, sent.get(src, self.channel_free[src]))
+                    begin = max(send_begin, received)
+                    sent[src] = send_begin + cost
                 else:
                     begin = max(available, sent.get(src, self.link_free[src][d]))
-                end = begin + cost
-                sent[src] = received = end
+                    sent[src] = begin + cost
+                end = received = begin + cost
                 sends.append((t, src, begin, end, gate))
                 if end > ready:
                     ready = end
+            self._senders_free = sent
         return ready, sends
 
     def _gate(self, src: int, available: float, latest: float) -> int:
@@ -411,13 +416,14 @@ class ScheduleBuilder:
         ready, needed = known
         if not needed:
             return ready
-        if self.contention:  # d's channel takes them one by one (a source's earlier send too)
-            channel = self.channel_free
-            received = channel[d]
+        if self.contention:  # each sender's channel, then d's, one transfer at a time
+            sender = self.channel_free.copy()
+            received = sender[d]
             for available, src, cost in needed:
-                begin = channel[src]
+                begin = sender[src]
                 if available > begin:
                     begin = available
+                sender[src] = begin + cost
                 if received > begin:
                     begin = received
                 received = begin + cost
@@ -625,7 +631,7 @@ class ScheduleBuilder:
         if self.group_device[self._group[u]] == -1:
             self.pin_group(self._group[u], d)
         for t, src, t_begin, t_end, gate in sends:
-            self.link_free[src][d] = self.channel_free[src] = self.channel_free[d] = t_end
+            self.link_free[src][d] = self.channel_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end, gate, u))
             self.received[d] += 1
@@ -635,6 +641,9 @@ class ScheduleBuilder:
             if self.last_use.get(key, 0.0) < t_end:
                 self.last_use[key] = t_end
             self._charge(d, self._t_bytes[t])
+        if sends and self.contention:
+            for src, free in self._senders_free.items():
+                self.channel_free[src] = free
         self._forget_ready(u, [(t, d) for t, *_ in sends])
         self._charge(d, self._out_bytes[u] + self._temp[u])
         self._release_later(end, d, self._temp[u])
