@@ -109,6 +109,25 @@ def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(it
 
 
 @pytest.mark.slow
+def test_a_step_far_over_its_plan_is_planned_strictly_for_a_lower_budget_at_once(item,
+                                                                                 monkeypatch):
+    """More above its planning budget than floating explains (``FLOATING_EXCESS``): the plan
+    itself is off, so the next round is a strict chain planned lower, not the same plan
+    again."""
+    from graphfit.remat.closed_loop import FLOATING_EXCESS
+
+    _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: (
+        int(measured.resident_bytes + (1 + 2 * FLOATING_EXCESS)
+            * (plan.budget_bytes - measured.resident_bytes)) if round_ == 1
+        else measured.peak_bytes))
+    remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
+    first, lower = remat["rounds"]
+    assert first["side_by_side_events"] > 0 and lower["side_by_side_events"] == 0
+    assert lower["planning_budget_bytes"] < first["planning_budget_bytes"]
+    assert remat["measured_peak_bytes"] <= 1.05 * remat["budget_bytes"]
+
+
+@pytest.mark.slow
 def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(item, monkeypatch):
     _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: min(
         plan.budget_bytes, int(plan.peak_bytes * 1.03)))
