@@ -171,7 +171,7 @@ def _plan_missed(measured_bytes: int, planning_budget_bytes: int, resident_bytes
     """Whether a step with floating events read more above its resident bytes than floating
     can explain, ``FLOATING_EXCESS`` over what the budget it was planned for leaves: then the
     plan itself is off, and the strict chain is planned for a lower budget at once rather than
-    lowered from the same plan first. On ``keras.applications.EfficientNetB0`` at 0.5 the
+    lowered from the same plan first (which is what happens if no lower budget plans). On ``keras.applications.EfficientNetB0`` at 0.5 the
     strict chain of the same plan measured what the floating step had (110.7 and 110.7, 112.9
     and 113.8, 107.2 and 107.2 MiB, 39-44% over the plan's bytes above the resident) in every
     run, one round of 12-20 s each (2026-12-07); floating itself was measured 0.25-1 MiB (the
@@ -321,12 +321,14 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             points.append((plan.peak_bytes - measured.resident_bytes,
                            measured.peak_bytes - measured.resident_bytes))
             fits = meets_budget(measured.peak_bytes, budget, measured.resident_bytes)
+            same_plan: list[int] = []   # its budget, if no lower one plans
             if side_by_side and plan.stats["side_by_side_events"] and not _floating_kept(
                     measured.peak_bytes, plan.peak_bytes, budget, measured.resident_bytes):
                 side_by_side = False
                 if fits or not _plan_missed(measured.peak_bytes, planning_budget,
                                             measured.resident_bytes):
                     continue        # the same plan again, its backward pass a strict chain
+                same_plan = [planning_budget]   # if no lower budget plans
             elif fits:
                 # Only the step returned is compared and timed. Moved updates must leave the
                 # same weights (``WeightCheck``), checked on the runs that compare the loss
@@ -343,6 +345,6 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                                          "stage_seconds": times.report()}
             resident = measured.resident_bytes
             planning_budget, *milder = [resident + b for b in replanning_budgets(
-                budget - resident, planning_budget - resident, points)]
+                budget - resident, planning_budget - resident, points)] + same_plan
         raise BudgetError(f"{_missed(budget, rounds)}. Raise the budget or try another planner.",
                           budget, min(r["measured_peak_bytes"] for r in rounds))
