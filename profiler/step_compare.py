@@ -296,10 +296,9 @@ def _one_step(item: GraphItem, session: tf.compat.v1.Session,
     (fetching and feeding the 322 initial values of ``keras.applications.ResNet50``, whose
     weights a traced Keras step holds as constants, took 3-4 s a step, 2026-12-07)."""
     graph = item.graph
-    names = _initial_value_tensors(item)
-    constants = {n: graph.get_tensor_by_name(n).op.get_attr("value") for n in names
-                 if graph.get_tensor_by_name(n).op.type == "Const"}
-    computed = [n for n in names if n not in constants]
+    producers = {n: graph.get_tensor_by_name(n).op for n in _initial_value_tensors(item)}
+    constants = {n: op.get_attr("value") for n, op in producers.items() if op.type == "Const"}
+    computed = [n for n in producers if n not in constants]
     feeds = {}
     for name, value in (initial_values or {}).items():
         if isinstance(value, TensorProto):

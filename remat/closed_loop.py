@@ -10,9 +10,10 @@ prediction), planning and rewriting, measuring each round's peak, verifying the 
 summed over the rounds. When verifying, what the rewritten step adds above its resident bytes
 must be within ``PEAK_TOLERANCE`` of what the budget leaves it (``meets_budget``); if it is
 not, the planning budget is lowered by the measured excess (``replanning_budgets``),
-``MAX_PLAN_ROUNDS`` rounds at most. The step returned must compute the user's loss and gradients (``remat.measure``):
-compared once, on that step alone, since a comparison runs three steps in fresh sessions
-(15 s of ``keras.applications.ResNet50``'s 73 s, 2026-12-06). Backward
+``MAX_PLAN_ROUNDS`` rounds at most. The step returned must compute the user's loss and
+gradients (``remat.measure``): compared once, on that step alone, since a comparison runs
+three steps in fresh sessions (15 s of ``keras.applications.ResNet50``'s 73 s, 2026-12-06).
+Backward
 events may float beside the chain (``remat.side_by_side``) only in a verified step whose
 measured peak meets the budget (as a strict chain's must) and stays within ``PEAK_TOLERANCE``
 of its plan; otherwise the strict chain is lowered from the same plan first, or, where the
@@ -42,9 +43,9 @@ __all__ = ["PEAK_TOLERANCE", "MAX_PLAN_ROUNDS", "FLOATING_EXCESS", "PLAN_ORDERS"
 # A step that adds more than (budget - resident) x (1 + PEAK_TOLERANCE) above its resident
 # bytes misses the budget; the remat pass then plans again, MAX_PLAN_ROUNDS times in all.
 # Four, not three: ``keras.applications.EfficientNetB0`` (96², batch 8) at 0.5 measures 30-40%
-# above its plans with oneDNN on, spends its second round on a strict chain for the same budget,
-# and missed after three rounds in two runs of three; with a fourth it fitted (1.037 of the
-# budget, 75 s; 2026-12-07).
+# above its plans with oneDNN on, and before ``FLOATING_EXCESS`` spent its second round on a
+# strict chain for the same budget: it missed after three rounds in two runs of three; with a
+# fourth it fitted (1.037 of the budget, 75 s; 2026-12-07). It still takes four in some runs.
 PEAK_TOLERANCE = 0.05
 MAX_PLAN_ROUNDS = 4
 # How far above its planning budget a step with floating events may read before the plan
@@ -171,12 +172,12 @@ def _plan_missed(measured_bytes: int, planning_budget_bytes: int, resident_bytes
     """Whether a step with floating events read more above its resident bytes than floating
     can explain, ``FLOATING_EXCESS`` over what the budget it was planned for leaves: then the
     plan itself is off, and the strict chain is planned for a lower budget at once rather than
-    lowered from the same plan first (which is what happens if no lower budget plans). On ``keras.applications.EfficientNetB0`` at 0.5 the
-    strict chain of the same plan measured what the floating step had (110.7 and 110.7, 112.9
-    and 113.8, 107.2 and 107.2 MiB, 39-44% over the plan's bytes above the resident) in every
-    run, one round of 12-20 s each (2026-12-07); floating itself was measured 0.25-1 MiB (the
-    mlp ``activations`` step) and 4-19% (a Keras attention step's two-event window) over its
-    plans."""
+    lowered from the same plan first (which is what happens if no lower budget plans). On
+    ``keras.applications.EfficientNetB0`` at 0.5 the strict chain of the same plan measured
+    what the floating step had (110.7 and 110.7, 112.9 and 113.8, 107.2 and 107.2 MiB, 39-44%
+    over the plan's bytes above the resident) in every run, one round of 12-20 s each
+    (2026-12-07); floating itself was measured 0.25-1 MiB (the mlp ``activations`` step) and
+    4-19% (a Keras attention step's two-event window) over its plans."""
     return (measured_bytes - resident_bytes
             > (planning_budget_bytes - resident_bytes) * (1 + FLOATING_EXCESS))
 
