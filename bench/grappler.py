@@ -172,7 +172,7 @@ class _Sessions:
              ) -> tuple[Callable[[], object], tf.compat.v1.Session]:
         session = tf.compat.v1.Session(graph=item.graph, config=config)
         self.sessions.append(session)
-        session.run(item.init_op)
+        item.initialize(session)
         return functools.partial(session.run, [item.train_op, item.loss],
                                  item.feed_dict()), session
 

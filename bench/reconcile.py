@@ -145,7 +145,7 @@ def _session_step(item):
     from graphfit.profiler.session import make_session, step_config
 
     session = make_session(item.graph, config=step_config(item))
-    session.run(item.init_op)
+    item.initialize(session)
     fetches, feeds = [item.train_op, item.loss], item.feed_dict()
     return lambda: session.run(fetches, feeds)[1]
 

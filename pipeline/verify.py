@@ -87,7 +87,8 @@ def verify_step(item: GraphItem) -> None:
     if not nx.is_directed_acyclic_graph(dependencies):
         cycle = nx.find_cycle(dependencies)
         raise VerificationError(f"the step has a cycle: {' -> '.join(u for u, _ in cycle)}")
-    names = [item.train_op, item.loss, item.init_op, *item.gradients, *item.feeds]
+    names = [item.train_op, item.loss, item.init_op, *item.gradients, *item.feeds,
+             *item.init_feeds]
     missing = [name for name in names if _split(name)[0] not in nodes]
     if missing:
         raise VerificationError(f"the step lost fetched or fed names {missing}")

@@ -162,7 +162,8 @@ def rebuild(item: GraphItem, graph_def: tf.compat.v1.GraphDef, config_key: str,
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
-    for name in [item.train_op, item.loss, item.init_op, *item.gradients, *item.feeds]:
+    for name in [item.train_op, item.loss, item.init_op, *item.gradients, *item.feeds,
+                 *item.init_feeds]:
         try:
             graph.as_graph_element(name)
         except (KeyError, ValueError) as error:

@@ -75,7 +75,7 @@ def op_intervals(steps: Mapping[str, tuple[GraphItem, tf.compat.v1.ConfigProto]]
         runs = {}
         for name, (item, config) in steps.items():
             session = pool.get(item.graph, config)
-            session.run(item.init_op)
+            item.initialize(session)
             runs[name] = functools.partial(session.run, [item.train_op, item.loss],
                                            item.feed_dict())
         walls = paired_step_times(runs, rounds, warmup, min_seconds)

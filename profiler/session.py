@@ -192,5 +192,5 @@ def run_once(item, what: str, session: Callable[[tf.Graph], Any]) -> None:
         StepFailedError: TF refused to run it (``what`` names the step in the message).
     """
     with failing_step(what), session(item.graph) as running:
-        running.run(item.init_op)
+        item.initialize(running)
         running.run([item.train_op, item.loss], item.feed_dict())

@@ -290,29 +290,28 @@ def _one_step(item: GraphItem, session: tf.compat.v1.Session,
     """Initialise (with ``initial_values`` fed, if given) and run one step: (initial values,
     loss, gradients).
 
-    An initial value that is a ``Const`` is its ``TensorProto``, read from the graph, not
-    fetched: fed into a step whose own constant is the same, it need not be fed at all, and
-    the step is initialised as every other run of it was, with no new executor of its session
-    (fetching and feeding the 322 initial values of ``keras.applications.ResNet50``, whose
-    weights a traced Keras step holds as constants, took 3-4 s a step, 2026-12-07)."""
+    An initial value the item feeds (``GraphItem.init_feeds``, a traced step's weights) is
+    its array, and one that is a ``Const`` its ``TensorProto``, read from the graph: neither
+    is fetched, and a constant equal to the step's own is not fed, so the step is
+    initialised as every other run of it was, with no new executor of its session (fetching
+    and feeding the 322 initial values of ``keras.applications.ResNet50`` took 3-4 s a step,
+    2026-12-07)."""
     graph = item.graph
     producers = {n: graph.get_tensor_by_name(n).op for n in _initial_value_tensors(item)}
     constants = {n: op.get_attr("value") for n, op in producers.items() if op.type == "Const"}
-    computed = [n for n in producers if n not in constants]
-    feeds = {}
+    fed = {n: item.init_feeds[n] for n in producers if n in item.init_feeds}
+    computed = [n for n in producers if n not in constants and n not in fed]
+    feeds = item.init_feed_dict()
     for name, value in (initial_values or {}).items():
         if isinstance(value, TensorProto):
             if constants.get(name) == value:
                 continue
             value = tf.make_ndarray(value)
         feeds[graph.get_tensor_by_name(name)] = value
-    if computed or feeds:
-        values = session.run([item.init_op, computed], feeds)[1]
-    else:
-        session.run(item.init_op)
-        values = []
+    values = session.run([item.init_op, computed], feeds)[1]
     outputs = session.run(step_fetches(item), item.feed_dict())
-    return {**constants, **dict(zip(computed, values))}, float(outputs[1]), list(outputs[2:])
+    return ({**constants, **fed, **dict(zip(computed, values))}, float(outputs[1]),
+            list(outputs[2:]))
 
 
 def tensors_close(candidate: np.ndarray, reference: np.ndarray, rtol: float,

@@ -9,7 +9,8 @@ user's own model:
 
 - ``graph_item_from_function`` builds a SELF-CONTAINED ``FunctionItem`` (a ``GraphItem``): each
   captured variable's placeholder becomes a ``VarHandleOp`` of the same name, initialised to
-  the variable's current value; other captured tensors become constants; the data
+  the variable's current value (fed to the initialiser, ``GraphItem.init_feeds``); other
+  captured tensors become constants; the data
   placeholders are fed with the traced batch. Every node keeps its name from the function
   graph, so a pass's output maps back node for node. Profiling, planning and rewriting
   work on it like on any v1 step.
@@ -292,9 +293,11 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
         tf.compat.v1.import_graph_def(graph_def, name="")
         gradients = gradient_tensors(graph)
         with tf.name_scope("function_item"):
+            initial_values = {handle: tf.compat.v1.placeholder(value.dtype, value.shape)
+                              for handle, value in values.items()}
             assigns = [tf.raw_ops.AssignVariableOp(resource=graph.get_tensor_by_name(handle),
-                                                   value=tf.constant(value))
-                       for handle, value in values.items()]
+                                                   value=initial)
+                       for handle, initial in initial_values.items()]
             init_op = tf.group(*assigns, name="init")
             train_op = tf.group(*[graph.get_operation_by_name(op.name)
                                   for op in concrete.graph.control_outputs], name="train_op")
@@ -303,6 +306,8 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
              for tensor_name, value in zip(data_inputs, _data_values(signature, args))}
     return FunctionItem(graph=graph, train_op=train_op.name, loss=loss.name,
                         gradients=gradients, init_op=init_op.name, feeds=feeds, name=name,
+                        init_feeds={initial_values[handle].name: value
+                                    for handle, value in values.items()},
                         config={"source": "tf.function",
                                 "function": getattr(fn, "__name__", str(fn)),
                                 "unrolled_loops": unrolled.trip_counts,

@@ -346,7 +346,7 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     session_factory = session_factory or (lambda g: make_session(g, num_cpu_devices, target))
     with session_factory(item.graph) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         feeds = item.feed_dict()
         for k in progress_bar(range(warmup + steps), f"profile {item.name or 'graph'}",
                               enabled=bool(progress)):

@@ -148,7 +148,7 @@ def paired_overheads(rewritten: GraphItem,
         steps = {}
         for name, (item, config) in [*references.items(), (_REWRITTEN, (rewritten, None))]:
             session = pool.get(item.graph, config)
-            session.run(item.init_op)
+            item.initialize(session)
             steps[name] = functools.partial(session.run, [item.train_op, item.loss],
                                             item.feed_dict())
         times = paired_step_times(steps, rounds, warmup, min_seconds)

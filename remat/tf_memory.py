@@ -133,7 +133,7 @@ def trace_steps(item: GraphItem, count: int = 1, warmup: int = 1, num_cpu_device
     traces = []
     with OpenSessions.reuse(sessions) as pool:
         session = pool.get(item.graph, session_config(num_cpu_devices))
-        session.run(item.init_op)
+        item.initialize(session)
         feeds = item.feed_dict()
         for _ in range(warmup):
             session.run(fetches, feeds)

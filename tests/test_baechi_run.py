@@ -237,7 +237,7 @@ def test_gated_sends_of_the_repair_step_leave_after_their_gate():
     compare_steps(item, placed, target.session, rtol=PLACEMENT_RTOL).check()
     # in a traced step each gated send's Identity starts after its gate ended
     with target.session(placed.graph) as session:
-        session.run(placed.init_op)
+        placed.initialize(session)
         metadata = tf.compat.v1.RunMetadata()
         session.run(step_fetches(placed), placed.feed_dict(),
                     options=tf.compat.v1.RunOptions(trace_level=3), run_metadata=metadata)

@@ -146,7 +146,7 @@ def test_fault_mid_run_is_a_cluster_error_in_bounded_time(two_workers, victim, s
         fetches = step_fetches(placed)
         with pytest.raises(ClusterError) as caught:
             with target.session(placed.graph) as session:
-                session.run(placed.init_op)
+                placed.initialize(session)
                 feeds = placed.feed_dict()
                 for _ in range(3):
                     session.run(fetches, feeds)

@@ -188,7 +188,7 @@ def _traced_run(item: GraphItem, config: "tf.compat.v1.ConfigProto | None" = Non
     step = step_item(item)
     metadata = tf.compat.v1.RunMetadata()
     with make_session(step.graph, config=config) as session:
-        session.run(step.init_op)
+        step.initialize(session)
         session.run([step.train_op, step.loss], step.feed_dict())
         session.run([step.train_op, step.loss], step.feed_dict(), run_metadata=metadata,
                     options=tf.compat.v1.RunOptions(

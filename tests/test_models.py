@@ -18,7 +18,7 @@ def _run_steps(item: models.GraphItem, steps: int, fetch_gradients: bool = False
     """Losses of ``steps`` training steps on the item's fixed batch, in a fresh session."""
     losses = []
     with tf.compat.v1.Session(graph=item.graph) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         feeds = item.feed_dict()
         if fetch_gradients:
             for gradient in session.run(item.gradients, feeds):

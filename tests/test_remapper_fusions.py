@@ -111,7 +111,7 @@ def test_the_rewritten_mlp_runs_its_clones_fused_like_the_users_step():
     def ran(step):
         metadata = tf.compat.v1.RunMetadata()
         with tf.compat.v1.Session(graph=step.graph, config=session_config()) as session:
-            session.run(step.init_op)
+            step.initialize(session)
             session.run([step.train_op, step.loss], step.feed_dict(), run_metadata=metadata,
                         options=tf.compat.v1.RunOptions(output_partition_graphs=True))
         return collections.Counter(n.op for g in metadata.partition_graphs for n in g.node)

@@ -69,7 +69,7 @@ def _fused_kernels(item, config) -> dict[str, int]:
     """The fused kernels (Grappler's ``_Fused...``, oneDNN's ``..WithBias``) a step ran."""
     metadata = tf.compat.v1.RunMetadata()
     with tf.compat.v1.Session(graph=item.graph, config=config) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         session.run([item.train_op, item.loss], item.feed_dict(), run_metadata=metadata,
                     options=tf.compat.v1.RunOptions(output_partition_graphs=True))
     return dict(collections.Counter(n.op for g in metadata.partition_graphs for n in g.node

@@ -147,7 +147,7 @@ def test_clones_survive_grappler_under_the_project_config():
     rewritten = rewritten.with_graph(unpinned)
     metadata = tf.compat.v1.RunMetadata()
     with make_session(rewritten.graph) as session:
-        session.run(rewritten.init_op)
+        rewritten.initialize(session)
         session.run([rewritten.train_op, rewritten.loss], rewritten.feed_dict(),
                     options=tf.compat.v1.RunOptions(trace_level=3), run_metadata=metadata)
     ran = {ns.node_name for d in metadata.step_stats.dev_stats for ns in d.node_stats}

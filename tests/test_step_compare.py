@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from graphfit import models
+from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import session_config
 from graphfit.profiler.step_compare import (NOISE_FACTOR, StepMismatchError, compare_steps,
                                             tensors_close, unfused_twin)
@@ -53,7 +54,7 @@ def _fused_op_types(item, config) -> collections.Counter:
     """The fused kernels (``_FusedMatMul``, oneDNN's ``_Mkl...Fused...``) the session ran."""
     metadata = tf.compat.v1.RunMetadata()
     with tf.compat.v1.Session(graph=item.graph, config=config) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         session.run([item.train_op, item.loss], item.feed_dict(), run_metadata=metadata,
                     options=tf.compat.v1.RunOptions(output_partition_graphs=True))
     return collections.Counter(n.op for g in metadata.partition_graphs for n in g.node
@@ -69,10 +70,10 @@ def test_unfused_twin_runs_the_same_step_without_fusions():
     assert comparison.max_kernel_noise is not None
 
 
-def test_a_candidate_whose_constant_initial_values_differ_starts_from_the_references():
-    """A traced Keras step holds its weights' initial values as constants, which are compared
-    as graph constants rather than fetched; where the candidate's constant differs, the
-    reference's value is fed, so both steps still start from the same weights."""
+def test_a_candidate_whose_fed_initial_values_differ_starts_from_the_references():
+    """A traced Keras step feeds its weights' initial values to its initialiser
+    (``GraphItem.init_feeds``); where the candidate's differ, the reference's are fed, so
+    both steps still start from the same weights."""
     import keras
 
     from graphfit.bench.reach import keras_step_item
@@ -81,18 +82,33 @@ def test_a_candidate_whose_constant_initial_values_differ_starts_from_the_refere
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
     x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     item = keras_step_item("dense", model, keras.optimizers.SGD(0.1), x, np.arange(16) % 4)
-    graph_def = item.graph.as_graph_def()
-    changed = 0
-    for node in graph_def.node:
-        if node.op == "Const" and node.attr["value"].tensor.tensor_shape.dim and not changed:
-            value = tf.make_ndarray(node.attr["value"].tensor)
-            if value.shape == (8, 4):                    # the kernel's initial value
-                node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value + 1.0))
-                changed += 1
-    assert changed == 1
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(graph_def, name="")
-    comparison = compare_steps(item, item.with_graph(graph))
+    kernel = [name for name, value in item.init_feeds.items() if value.shape == (8, 4)]
+    assert len(kernel) == 1
+    other = dataclasses.replace(item, init_feeds={**item.init_feeds,
+                                                  kernel[0]: item.init_feeds[kernel[0]] + 1.0})
+    comparison = compare_steps(item, other)
+    comparison.check()
+    assert comparison.max_abs_gradient_diff == 0.0 < comparison.max_abs_gradient
+
+
+def test_a_candidate_whose_constant_initial_values_differ_starts_from_the_references():
+    """A v1 step's initial values may be graph constants (``tf.Variable(array)``), compared
+    as constants rather than fetched; where the candidate's constant differs, the reference's
+    value is fed."""
+    def step(initial):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+            weight = tf.compat.v1.Variable(initial, name="w", use_resource=True)
+            loss = tf.reduce_sum(tf.square(tf.matmul(x, weight)), name="loss")
+            gradient, = tf.gradients(loss, [weight])
+            train = weight.assign_sub(0.1 * gradient).op
+            init = tf.compat.v1.global_variables_initializer()
+        return GraphItem(graph, train.name, loss.name, [gradient.name], init.name,
+                         {"x:0": np.ones((4, 3), np.float32)})
+
+    initial = np.arange(6, dtype=np.float32).reshape(3, 2)
+    item = step(initial)
+    comparison = compare_steps(item, item.with_graph(step(initial + 1.0).graph))
     comparison.check()
     assert comparison.max_abs_gradient_diff == 0.0 < comparison.max_abs_gradient

@@ -84,7 +84,7 @@ def test_item_runs_in_a_session_from_the_current_weights(traced):
     model, _, _, item = traced
     x, y = _batch()
     with make_session(item.graph) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         loss, *grads = session.run([item.loss, *item.gradients], item.feed_dict())
     with tf.GradientTape() as tape:
         expected = 0.5 * keras.losses.MeanSquaredError()(y, model(x, training=True))
@@ -194,7 +194,7 @@ def test_batch_norm_model_gradients_and_training_match_keras():
     item = graph_item_from_function(train_step, *batch)
 
     with make_session(item.graph) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         grads = session.run(item.gradients, item.feed_dict())
     with tf.GradientTape() as tape:
         expected = loss_fn(batch[1], model(batch[0], training=True))

@@ -200,7 +200,7 @@ def run_steps(item, steps: int, warmup: int, session_factory=None, between_steps
 
     times_ms, losses = [], []
     with (session_factory or make_session)(item.graph) as session:
-        session.run(item.init_op)
+        item.initialize(session)
         feeds = item.feed_dict()
         fetches = step_fetches(item)[:2]
         for _ in range(warmup):
