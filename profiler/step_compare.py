@@ -65,8 +65,9 @@ from graphfit.profiler.conv_kernels import EIGEN_KERNEL_LABEL, takes_eigen_kerne
 from graphfit.profiler.session import OpenSessions, make_session, session_config, step_config
 from graphfit.profiler.trace import step_fetches
 
-__all__ = ["NOISE_FACTOR", "StepComparison", "StepMismatchError", "WeightCheck", "compare_steps",
-           "compare_weights", "seed_random_ops", "tensors_close", "unfused_twin"]
+__all__ = ["NOISE_FACTOR", "ReferenceStep", "StepComparison", "StepMismatchError", "WeightCheck",
+           "compare_steps", "compare_weights", "run_reference", "seed_random_ops",
+           "tensors_close", "unfused_twin"]
 
 # How many times the original step's own kernel-order difference a candidate may differ by,
 # tensor by tensor: a rewrite runs a different subset of ops unfused than the twin (all of
@@ -381,12 +382,46 @@ def _run_step(item: GraphItem, session: Callable[[tf.Graph], tf.compat.v1.Sessio
     return _StepValues(initial, loss, gradients, weights)
 
 
+@dataclasses.dataclass
+class ReferenceStep:
+    """One step of the reference, run before the candidate exists (``run_reference``): the
+    reference with its random ops seeded (``seed_random_ops``), the ops seeded, and what the
+    step gave."""
+
+    item: GraphItem
+    seeded: list[str]
+    values: _StepValues
+
+
+def _pool_session(item: GraphItem, sessions: OpenSessions | None
+                  ) -> Callable[[tf.Graph], tf.compat.v1.Session]:
+    """graph -> the pool's session of ``item``'s own graph, or a new one of a copy, both with
+    the configuration ``item``'s step runs with."""
+    def session(graph: tf.Graph) -> tf.compat.v1.Session:
+        if sessions is not None and graph is item.graph:
+            return sessions.borrow(graph, step_config(item))
+        return make_session(graph, config=step_config(item))
+    return session
+
+
+def run_reference(reference: GraphItem, read_weights: bool = False,
+                  sessions: OpenSessions | None = None) -> ReferenceStep:
+    """Run one step of ``reference`` from its own initialisers, as ``compare_steps`` does
+    first, so that a caller can run it ahead (``remat.closed_loop`` runs it while it plans:
+    the step's gradients are a new executor of its session, a Grappler pass of seconds on
+    ``keras.applications.ResNet50``). ``read_weights``: also read the variables after it."""
+    seeded_item, seeded = seed_random_ops(reference)
+    values = _run_step(seeded_item, _pool_session(reference, sessions), None, read_weights)
+    return ReferenceStep(seeded_item, seeded, values)
+
+
 def compare_steps(reference: GraphItem, candidate: GraphItem,
                   candidate_session: Callable[[tf.Graph], tf.compat.v1.Session] | None = None,
                   rtol: float = 1e-5, atol: float = 1e-6,
                   kernel_order_noise: bool = False, loss_rtol: float | None = None,
                   atol_of_max: float = 0.0, weights: WeightCheck | None = None,
-                  sessions: OpenSessions | None = None) -> StepComparison:
+                  sessions: OpenSessions | None = None,
+                  reference_step: ReferenceStep | None = None) -> StepComparison:
     """Run one step of ``reference`` on one device and one of ``candidate`` in
     ``candidate_session`` from the same initial variables, and compare loss and gradients
     (and, with ``weights``, the variables after the step, from the same runs).
@@ -412,6 +447,8 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
             sessions where the graphs are the pool's (no random op to seed, the variables'
             own reads: ``_variable_reads``): each step starts from its initialisers, run
             again, and a new session of a large graph costs seconds.
+        reference_step: ``reference``'s step, already run (``run_reference``, reading the
+            variables if ``weights`` is given); by default it is run here.
 
     Returns:
         The comparison (``seeded_random_ops``: the unseeded random ops both graphs ran with a
@@ -422,20 +459,14 @@ def compare_steps(reference: GraphItem, candidate: GraphItem,
         KeyError: ``candidate`` lacks a tensor the reference's initialisers assign from, or
             a variable of the reference.
     """
-    def session_of(item: GraphItem) -> Callable[[tf.Graph], tf.compat.v1.Session]:
-        """The pool's session of ``item``'s own graph; a new one of a copy."""
-        def session(graph: tf.Graph) -> tf.compat.v1.Session:
-            if sessions is not None and graph is item.graph:
-                return sessions.borrow(graph, step_config(item))
-            return make_session(graph, config=step_config(item))
-        return session
-
-    own_sessions = session_of(reference), session_of(candidate)
-    reference, seeded = seed_random_ops(reference)
-    candidate, _ = seed_random_ops(candidate)
-    candidate_session = candidate_session or own_sessions[1]
     read_weights = weights is not None
-    ran = _run_step(reference, own_sessions[0], None, read_weights)
+    reference_step = reference_step or run_reference(reference, read_weights, sessions)
+    if read_weights and reference_step.values.weights is None:
+        raise ValueError("compare_steps(weights=...) needs a reference step that read the "
+                         "variables: run_reference(..., read_weights=True)")
+    reference, seeded, ran = reference_step.item, reference_step.seeded, reference_step.values
+    candidate_session = candidate_session or _pool_session(candidate, sessions)
+    candidate, _ = seed_random_ops(candidate)
     other = _run_step(candidate, candidate_session, ran.initial, read_weights)
 
     def twin_run() -> _StepValues:

@@ -23,6 +23,7 @@ lower budget at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -220,7 +221,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.profiler.progress import StageTimes
     from graphfit.profiler.session import (OpenSessions, failing_step, make_session,
                                            session_config)
-    from graphfit.profiler.step_compare import WeightCheck
+    from graphfit.profiler.step_compare import WeightCheck, run_reference
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import compare_rewrite, measure_step
     from graphfit.remat.step_time import trace_for_prediction
@@ -228,7 +229,9 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
 
     # One session per step and configuration for every stage (``OpenSessions``): the user's
     # step, the planned step, its serial chain, each rewritten step.
-    with OpenSessions() as sessions:
+    # ``ahead`` runs the user's step for the comparison while the first plan is lowered; it
+    # is shut down (waited for) before the sessions close.
+    with OpenSessions() as sessions, concurrent.futures.ThreadPoolExecutor(1) as ahead:
         times = StageTimes(None if progress is None else lambda stage, seconds: progress(
             f"remat: {STAGE_TITLES[stage]} ({seconds:.0f} s)"))
         with times.stage("measure_user_step"):
@@ -269,6 +272,11 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         # is through its points (each round plans every order searched: 19 s a round on
         # ``keras.applications.EfficientNetB0``, 2026-12-07).
         model, planned, planned_for = None, None, None
+        # The user's step the rewritten one is compared with runs ahead, while the first
+        # plan is lowered (its Grappler pass and the step: 2-3 s of ``keras.applications.
+        # ResNet50``'s verification, on the second core), after the orders are traced; every
+        # measurement waits for it, so nothing it runs is measured.
+        reference_step = None
         while len(rounds) < MAX_PLAN_ROUNDS:
             try:
                 with times.stage("plan_and_rewrite"):
@@ -277,6 +285,9 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                         model, planned = cheapest_plan(orders, planning_budget, heuristic,
                                                        overhead_limit, item.loss)
                         planned_for = planning_budget
+                    if verify and reference_step is None:
+                        reference_step = ahead.submit(run_reference, original, order_updates,
+                                                      sessions)
                     rewritten, plan = lower_plan(item, model, planned, baseline_bytes,
                                                  side_by_side, traces)
             except BudgetError as error:
@@ -313,6 +324,8 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             # is not run again.
             sessions.keep_only([original.graph, item.graph])
             with times.stage("measure_peak"), failing_step("rematerialized"):
+                if reference_step is not None:
+                    reference_step.result()                      # done before measuring
                 measured = measure_step(rewritten, sessions=sessions)
             details.update(measured_peak_bytes=measured.peak_bytes,
                            measured_records_peak_bytes=measured.records_peak_bytes,
@@ -338,7 +351,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                     report = compare_rewrite(
                         original, rewritten, plan, baseline, measured,
                         weights=WeightCheck(kernel_order_noise=True) if order_updates else None,
-                        sessions=sessions, planned=item)
+                        sessions=sessions, planned=item, reference_step=reference_step.result())
                 if traces is not None:
                     report.update(planned_step_vs_user=plan.stats["step_time"]["vs_user"],
                                   planned_step_time=plan.stats["step_time"])

@@ -38,7 +38,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, step_config, user_config
-from graphfit.profiler.step_compare import WeightCheck, compare_steps
+from graphfit.profiler.step_compare import ReferenceStep, WeightCheck, compare_steps
 from graphfit.profiler.trace import profile_graph, uncounted_below_bytes
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
@@ -208,22 +208,24 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
 def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
                     baseline: StepMeasurement, measured: StepMeasurement,
                     weights: WeightCheck | None = None, sessions: OpenSessions | None = None,
-                    rounds: int = 4, warmup: int = 1, planned: GraphItem | None = None
-                    ) -> dict[str, Any]:
+                    rounds: int = 4, warmup: int = 1, planned: GraphItem | None = None,
+                    reference_step: ReferenceStep | None = None) -> dict[str, Any]:
     """``measure_rewrite``'s report from the measurements of both steps already made: runs
     one step of each to compare the loss and gradients (``compare_steps``), then times them
     side by side (``paired_overheads``, ``rounds`` rounds at least after ``warmup``) with the
     user's step and with ``planned``, the step the plan was made for (default
     ``original``; in ``optimize``, the step after the graph passes, whose session is open).
     The closed loop (``remat.closed_loop``) measures each round's peak first and compares
-    only the step it returns.
+    only the step it returns; it runs ``original``'s step ahead (``reference_step``,
+    ``profiler.step_compare.run_reference``).
 
     Raises:
         profiler.step_compare.StepMismatchError: as ``measure_rewrite``.
     """
     comparison = compare_steps(original, rewritten, rtol=GRADIENT_RTOL, atol=0.0,
                                loss_rtol=LOSS_RTOL, atol_of_max=GRADIENT_ATOL_OF_MAX,
-                               weights=weights, sessions=sessions)
+                               weights=weights, sessions=sessions,
+                               reference_step=reference_step)
     comparison.check()  # a rewrite that changes the loss or gradients is a bug, not a figure
     # Against the step planned under the project's configuration (what the planned overhead
     # predicts) and the user's step under TF's defaults, in the same rounds: the rounds a

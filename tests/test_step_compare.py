@@ -10,8 +10,9 @@ import tensorflow as tf
 from graphfit import models
 from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.session import session_config
-from graphfit.profiler.step_compare import (NOISE_FACTOR, StepMismatchError, compare_steps,
-                                            tensors_close, unfused_twin)
+from graphfit.profiler.step_compare import (NOISE_FACTOR, StepMismatchError, WeightCheck,
+                                            compare_steps, run_reference, tensors_close,
+                                            unfused_twin)
 
 
 def test_other_seed_starts_from_the_reference_variables():
@@ -112,3 +113,15 @@ def test_a_candidate_whose_constant_initial_values_differ_starts_from_the_refere
     comparison = compare_steps(item, item.with_graph(step(initial + 1.0).graph))
     comparison.check()
     assert comparison.max_abs_gradient_diff == 0.0 < comparison.max_abs_gradient
+
+
+def test_a_reference_step_run_ahead_is_the_one_compared():
+    """``remat.closed_loop`` runs the user's step ahead (``run_reference``) while it plans."""
+    item = models.build("mlp", preset="tiny")
+    candidate = unfused_twin(item)[0]
+    ahead = run_reference(item)
+    comparison = compare_steps(item, candidate, reference_step=ahead)
+    comparison.check()
+    assert comparison.loss_reference == ahead.values.loss
+    with pytest.raises(ValueError, match="read the variables"):
+        compare_steps(item, candidate, weights=WeightCheck(), reference_step=ahead)
