@@ -22,6 +22,7 @@ releases) waits while any other unit can run, so the consumers that release memo
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
 
@@ -58,10 +59,13 @@ def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
         devices: the devices, their memory limits and link costs.
         memory_model: ``"liveness"`` (default) or ``"static"`` for the fit test.
         favourite_parent: per unit, the parent whose device it should run on (-1: none).
-            m-SCT passes its rounded LP solution here; a unit goes to its favourite parent's
-            device when that device has room and, when the unit becomes ready, would start
-            it no later than any other device (SCT's rule: the favourite child follows its
-            parent unless that delays it); otherwise it is placed as in plain ETF.
+            m-SCT passes its rounded LP solution here. When a unit becomes ready and its
+            favourite parent is the last unit committed on its device, that device has room
+            for it and would start it no later than any other device, the device is held for
+            it (SCT's rule as Baechi's m-SCT applies it: the favourite child runs right after
+            its parent): the child goes before any other unit startable there, and no other
+            unit starts there before the child's inputs are in. Otherwise it is placed as in
+            plain ETF.
         method: name used in error messages.
         memory_first_only: skip list scheduling and go straight to the repair step (a caller
             that already saw list scheduling fail at a higher limit).
@@ -107,16 +111,18 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     held: list[set[int]] = [set() for _ in all_devices]
     use_reserve = False
 
+    # m-SCT: per device, the favourite child it is held for and when its inputs are there.
+    awaited: list[tuple[int, float] | None] = [None] * num_devices
     touched: set[int] = set()  # devices whose heaps got a unit since their candidate was taken
 
-    def enqueue(u: int, devs, ready: list[float] | None = None) -> None:
+    def enqueue(u: int, devs, ready: list[float] | None = None, first: bool = False) -> None:
         for d in devs:
             if not queued[u] >> d & 1:
                 queued[u] |= 1 << d
                 touched.add(d)
                 when = ready[d] if ready is not None else builder.data_ready_us(u, d)
                 confirmed[u * num_devices + d] = builder.ready_epoch(d)
-                heapq.heappush(waiting[d], (when, priority[u], u))
+                heapq.heappush(waiting[d], (when, -math.inf if first else priority[u], u))
 
     def on_ready(u: int) -> None:
         pinned = builder.group_device[group[u]]
@@ -125,12 +131,14 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             return
         ready = [builder.data_ready_us(u, d) for d in all_devices]
         if fav is not None and fav[u] != -1:
-            # SCT's rule: the favourite child follows its parent unless that delays it
+            # SCT's rule: the favourite child runs right after its parent unless that delays it
             d = builder.device[fav[u]]
             free, clock = builder.device_free, builder.clock
             start = [max(free[e], clock, ready[e]) for e in all_devices]
-            if start[d] <= min(start) + _EPS_US and builder.shortfall_bytes(u, d) <= 0:
-                enqueue(u, (d,), ready)
+            if builder.units_on[d][-1] == fav[u] and start[d] <= min(start) + _EPS_US and \
+                    builder.shortfall_bytes(u, d) <= 0:
+                awaited[d] = (u, ready[d])
+                enqueue(u, (d,), ready, first=True)
                 return
         enqueue(u, all_devices, ready)
 
@@ -157,6 +165,11 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         then exact, and one commit costs one pass over the few estimates that went stale."""
         epoch = builder.ready_epoch(d)
         free = max(builder.device_free[d], builder.clock)
+        if awaited[d] is not None:
+            if placed[awaited[d][0]] == -1:
+                free = max(free, awaited[d][1])  # nothing else starts before the child can
+            else:
+                awaited[d] = None
         wait, ok = waiting[d], startable[d]
         while True:
             while wait and wait[0][0] <= free:

@@ -9,6 +9,7 @@ import pytest
 
 from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.grouping import coplacement_groups, tf_colocation_groups
+from graphfit.baechi.m_etf import m_etf
 from graphfit.baechi.memory_first import release_first_order
 from graphfit.baechi.place import Placement, PlacementError, makespan_lower_bound_us, place
 from graphfit.baechi.schedule import simulate
@@ -304,6 +305,24 @@ def test_fork_join_with_16_short_branches_keeps_within_m_topos_makespan(seed, li
     # its one-worker order here, 1.08-1.17 x m-TOPO's makespan (bench_placement variants)
     graph = synthetic.fork_join(1000, seed=seed, branches=16, branch_ops=(1, 4))
     _check_tight_placement(graph, link_model, method)
+
+
+def test_favourite_child_runs_right_after_its_parent_before_longer_paths():
+    # SCT's rule as Baechi's m-SCT applies it: the device of p (its last unit) is held for p's
+    # favourite child f, though v, ready there at the same time, has the longer path to the end
+    # (plain ETF runs v and w first)
+    graph = CostGraph.from_ops([
+        OpSpec("p", "X", output_bytes=[4], compute_us=2000),
+        OpSpec("v", "X", output_bytes=[4], compute_us=10),
+        OpSpec("f", "X", inputs=[("p", 0)], compute_us=10),
+        OpSpec("w", "X", inputs=[("v", 0)], compute_us=1000)])
+    units = UnitGraph.singletons(graph, np.arange(4))
+    devices = DeviceSet.uniform(NAMES[:1], "1GiB", "0.0001754,134")
+    p, v, f, w = range(4)
+    plain = m_etf(units, devices)
+    assert plain.finish_us[p] == plain.start_us[v] < plain.start_us[f]
+    sct = m_etf(units, devices, favourite_parent=np.array([-1, -1, p, -1]), method="m_sct")
+    assert sct.finish_us[p] == sct.start_us[f] < sct.start_us[v]
 
 
 @pytest.mark.parametrize("link_model, method", [("contention", "m_sct"), ("parallel", "m_etf")])
