@@ -230,6 +230,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
                                else remat["baseline_peak_bytes"] / user_peak),
         "budget_bytes": budget,
         "report_measured_bytes": remat["measured_peak_bytes"],
+        # Within it: the rewritten step read called as the user calls it (``remat.measure``).
+        "report_called_added_bytes": remat["measured_called_added_bytes"],
         "allocator_rewritten_step_bytes": (None if rewritten_added is None
                                            else rewritten_resident + rewritten_added),
         "rewritten_step_bytes": rewritten_peak, "rewritten_step_ruler": rewritten_ruler,
