@@ -46,7 +46,7 @@ from graphfit.remat.tf_memory import step_item
 
 __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "step_peak", "paired_overhead",
            "paired_overheads", "measure_rewrite",
-           "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
+           "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX", "CALLS_READ"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
 # gradient within GRADIENT_RTOL of its largest |value| plus GRADIENT_ATOL_OF_MAX of the
@@ -54,6 +54,11 @@ __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "step_peak", "p
 LOSS_RTOL = 1e-5
 GRADIENT_RTOL = 1e-4
 GRADIENT_ATOL_OF_MAX = 1e-5
+# Calls of a rewritten ``tf.function`` step read as the user calls it (``measure_step``'s
+# ``traced_from``): its reading is steady where a session's steps are not (ResNet50, 64x64,
+# batch 8: within 0.5 MB over 4-6 calls against 0.2-3 MB over 4 session steps, 2026-12-07),
+# and each call costs a step (0.3-0.5 s on that step).
+CALLS_READ = 2
 # ``paired_overheads``' name of the rewritten step among the originals' configurations.
 _REWRITTEN = "rewritten"
 
@@ -110,17 +115,17 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     ``sessions``: run in the pool's session of the step (``profiler.session.OpenSessions``).
 
     ``traced_from``: the user's step ``item`` was rewritten from. When it is a traced
-    ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps statistics,
-    ``item`` is also read as the user then calls it (``to_callable``, on copies of the user's
-    variables: ``profiler.tf_function.on_variable_copies``), ``warmup`` calls and ``steps``
-    read, and the larger of the two readings is what the step adds. The two ways of running
-    the same step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD) rewritten for
-    half of what it adds, oneDNN off, BFC allocator, added 42-47 MB per session step against
-    46-54 MB per call, each steady within 1 MB over its steps, and the call's reading moved
-    from 45.9 to 51.3 MB in one process after 95 MB of variables were made and freed
-    (2026-12-07, ``bench/RESULTS.md``): the BFC allocator counts the free chunk it hands a
-    request whole, up to twice the request, so what a step reads depends on how it runs and
-    on the free chunks earlier work left.
+    ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps
+    statistics, ``item`` is also read as the user then calls it (``to_callable``, on copies
+    of the user's variables: ``profiler.tf_function.on_variable_copies``): ``warmup`` calls,
+    then ``CALLS_READ`` read; the larger of the two readings is what the step adds. The two
+    ways of running one step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD)
+    rewritten for half of what it adds (oneDNN off, BFC allocator) added 42-47 MB per session
+    step and 46-54 MB per call in the same processes, and one call's reading moved from 45.9
+    to 51.3 MB after 95 MB of variables were made and freed (2026-12-07, ``bench/
+    RESULTS.md``): the BFC allocator counts the free chunk it hands a request whole, up to
+    twice the request, so a step's reading depends on how it runs and on the free chunks
+    earlier work left (DESIGN.md §12).
     """
     config = config or step_config(item, num_cpu_devices)
     with OpenSessions.reuse(sessions) as pool:
@@ -132,7 +137,7 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     added = max(profile.metadata["allocator_added_bytes"], default=None)
     called = None
     if added is not None and isinstance(traced_from, FunctionItem):
-        called = max(_added_bytes(on_variable_copies(item, traced_from), steps, warmup,
+        called = max(_added_bytes(on_variable_copies(item, traced_from), CALLS_READ, warmup,
                                   profile.metadata["allocator_devices"]))
         added = max(added, called)
     peak, ruler = step_peak(resident, added, profile.peak_bytes,
