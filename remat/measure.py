@@ -121,8 +121,8 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     then ``CALLS_READ`` read; the larger of the two readings is what the step adds. The two
     ways of running one step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD)
     rewritten for half of what it adds (oneDNN off, BFC allocator, about 45 MB added) read
-    3.3 MB less to 7.0 MB more per call than per session step in the same process (14
-    comparisons, median +0.8 MB), and one call's reading moved from 45.9 to 51.3 MB after
+    3.3 MB less to 9.8 MB more per call than per session step in the same process (17
+    comparisons, median +2.4 MB), and one call's reading moved from 45.9 to 51.3 MB after
     95 MB of variables were made and freed (2026-12-07, ``bench/RESULTS.md``): the BFC
     allocator counts the free chunk it hands a request whole, up to twice the request, so a
     step's reading depends on how it runs and on the free chunks earlier work left
