@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -79,7 +80,8 @@ from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.unroll_loops import LoopUnrollError, unroll_loops
 
 __all__ = ["BACKWARD_SCOPE", "FunctionItem", "FunctionItemError", "classifier_train_step",
-           "graph_item_from_function", "to_callable", "gradient_tensors"]
+           "graph_item_from_function", "to_callable", "on_variable_copies",
+           "gradient_tensors"]
 
 # A name scope of the backward pass: tf.GradientTape names it ``gradient_tape``,
 # tf.gradients ``gradients``; later ones in the same graph get a ``_N`` suffix.
@@ -373,6 +375,18 @@ def to_callable(item: GraphItem, original: FunctionItem | None = None
         DESIGN.md §8 (``wrap_function`` + ``import_graph_def`` with an ``input_map``).
     """
     source = original if original is not None else item
+    wrapped, config = _imported_step(item, source)
+
+    def step(*args: Any) -> tf.Tensor:
+        return _call(wrapped, config, _data_values(source.input_signature, args), [])
+
+    return step
+
+
+def _imported_step(item: GraphItem, source: GraphItem | None
+                   ) -> tuple[Callable[..., tf.Tensor], tf.compat.v1.ConfigProto]:
+    """``to_callable``'s work: ``item``'s step imported into a function of the data inputs
+    on ``source``'s captured variables, and the configuration to call it with."""
     if not isinstance(source, FunctionItem):
         raise FunctionItemError(
             "to_callable needs the FunctionItem the step was traced from: pass it as "
@@ -410,12 +424,36 @@ def to_callable(item: GraphItem, original: FunctionItem | None = None
         with tf.control_dependencies([train_op]):
             return tf.identity(loss)
 
-    wrapped = tf.compat.v1.wrap_function(import_step, data_specs)
-    config = step_config(item)
+    return tf.compat.v1.wrap_function(import_step, data_specs), step_config(item)
 
-    def step(*args: Any) -> tf.Tensor:
-        data = _data_values(source.input_signature, args)
-        with _function_options(config):
-            return wrapped(*data)
 
-    return step
+def on_variable_copies(item: GraphItem, original: FunctionItem) -> Callable[[], tf.Tensor]:
+    """A call of ``item``'s step as ``to_callable(item, original)`` runs it (the same imported
+    function and configuration) on ``original``'s traced batch and on new variables holding
+    the current values of the user's: the user's call of the step, without training the
+    user's model. ``remat.measure`` reads TF's allocator over such calls: the same rewritten
+    step reads differently run in a session and called so. The copies live as long as the
+    returned call."""
+    copies = {}
+    for name, captured in original.captures.items():
+        if captured.dtype == tf.resource:
+            dtype = original.graph.get_operation_by_name(name.split(":")[0]).get_attr("dtype")
+            with tf.device(captured.device):
+                copies[name] = tf.Variable(tf.raw_ops.ReadVariableOp(resource=captured,
+                                                                     dtype=dtype))
+    wrapped, config = _imported_step(item, dataclasses.replace(original, captures={
+        name: copies[name].handle if name in copies else captured
+        for name, captured in original.captures.items()}))
+    return functools.partial(_call, wrapped, config,
+                             [item.feeds[name] for name in original.data_inputs],
+                             list(copies.values()))
+
+
+def _call(wrapped: Callable[..., tf.Tensor], config: tf.compat.v1.ConfigProto, data: list,
+          variables: list[tf.Variable]) -> tf.Tensor:
+    """One call of ``wrapped`` on ``data`` under ``config``. ``variables`` are the ones it runs
+    on: held by the partial call, they live as long as it (a variable's resource is destroyed
+    with its last Python reference, whatever handles a function captured)."""
+    del variables
+    with _function_options(config):
+        return wrapped(*data)

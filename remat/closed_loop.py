@@ -326,7 +326,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             with times.stage("measure_peak"), failing_step("rematerialized"):
                 if reference_step is not None:
                     reference_step.result()                      # done before measuring
-                measured = measure_step(rewritten, sessions=sessions)
+                measured = measure_step(rewritten, sessions=sessions, traced_from=original)
             details.update(measured_peak_bytes=measured.peak_bytes,
                            measured_records_peak_bytes=measured.records_peak_bytes,
                            measured_resident_bytes=measured.resident_bytes,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -39,13 +39,14 @@ from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.step_compare import ReferenceStep, WeightCheck, compare_steps
-from graphfit.profiler.trace import profile_graph, uncounted_below_bytes
+from graphfit.profiler.tf_function import FunctionItem, on_variable_copies
+from graphfit.profiler.trace import AllocatorPeak, profile_graph, uncounted_below_bytes
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
 __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "step_peak", "paired_overhead",
            "paired_overheads", "measure_rewrite",
-           "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
+           "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX", "CALLS_READ"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
 # gradient within GRADIENT_RTOL of its largest |value| plus GRADIENT_ATOL_OF_MAX of the
@@ -53,6 +54,11 @@ __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "step_peak", "p
 LOSS_RTOL = 1e-5
 GRADIENT_RTOL = 1e-4
 GRADIENT_ATOL_OF_MAX = 1e-5
+# Calls of a rewritten ``tf.function`` step read as the user calls it (``measure_step``'s
+# ``traced_from``): its reading is steady where a session's steps are not (ResNet50, 64x64,
+# batch 8: within 0.5 MB over 4-6 calls against 0.2-3 MB over 4 session steps, 2026-12-07),
+# and each call costs a step (0.3-0.5 s on that step).
+CALLS_READ = 2
 # ``paired_overheads``' name of the rewritten step among the originals' configurations.
 _REWRITTEN = "rewritten"
 
@@ -74,9 +80,13 @@ class StepMeasurement:
         resident_bytes: what the step holds before it runs, counted from the graph: variables
             (optimizer slots included), kernels' persistent buffers, fed tensors.
         records_peak_bytes: the peak replayed from the allocation records of a traced step.
-        allocator_added_bytes: the allocator's reading (``None``: no statistics).
+        allocator_added_bytes: the allocator's reading (``None``: no statistics): the larger
+            of the session's steps' and ``called_added_bytes``.
         step_time_us: median time of the untraced steps.
         profile: the full profile (per-op costs) of the step.
+        called_added_bytes: what the step added by the allocator called as the user calls a
+            rewritten ``tf.function`` step (``measure_step``'s ``traced_from``), the largest
+            over the calls; ``None``: not read.
     """
 
     peak_bytes: int
@@ -86,11 +96,13 @@ class StepMeasurement:
     allocator_added_bytes: int | None
     step_time_us: float
     profile: Profile
+    called_added_bytes: int | None = None
 
 
 def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devices: int = 1,
                  config: tf.compat.v1.ConfigProto | None = None,
-                 sessions: OpenSessions | None = None) -> StepMeasurement:
+                 sessions: OpenSessions | None = None,
+                 traced_from: GraphItem | None = None) -> StepMeasurement:
     """Run ``item``'s training step (update and loss) and measure its peak.
 
     ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
@@ -101,6 +113,20 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     Keras's updates wait for the last gradient, and ``keras.applications.ResNet50`` (64x64,
     batch 8, SGD) added 135 MB instead of 79-86 MB (2026-12-06, ``bench/reconcile.py``).
     ``sessions``: run in the pool's session of the step (``profiler.session.OpenSessions``).
+
+    ``traced_from``: the user's step ``item`` was rewritten from. When it is a traced
+    ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps
+    statistics, ``item`` is also read as the user then calls it (``to_callable``, on copies
+    of the user's variables: ``profiler.tf_function.on_variable_copies``): ``warmup`` calls,
+    then ``CALLS_READ`` read; the larger of the two readings is what the step adds. The two
+    ways of running one step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD)
+    rewritten for half of what it adds (oneDNN off, BFC allocator, about 45 MB added) read
+    3.3 MB less to 9.8 MB more per call than per session step in the same process (17
+    comparisons, median +2.4 MB), and one call's reading moved from 45.9 to 51.3 MB after
+    95 MB of variables were made and freed (2026-12-07, ``bench/RESULTS.md``): the BFC
+    allocator counts the free chunk it hands a request whole, up to twice the request, so a
+    step's reading depends on how it runs and on the free chunks earlier work left
+    (DESIGN.md §12).
     """
     config = config or step_config(item, num_cpu_devices)
     with OpenSessions.reuse(sessions) as pool:
@@ -110,12 +136,31 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
     added = max(profile.metadata["allocator_added_bytes"], default=None)
+    called = None
+    if added is not None and isinstance(traced_from, FunctionItem):
+        called = max(_added_bytes(on_variable_copies(item, traced_from), CALLS_READ, warmup,
+                                  profile.metadata["allocator_devices"]))
+        added = max(added, called)
     peak, ruler = step_peak(resident, added, profile.peak_bytes,
                             profile.metadata["allocator_devices"])
     return StepMeasurement(
         peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
-        step_time_us=statistics.median(times), profile=profile)
+        step_time_us=statistics.median(times), profile=profile, called_added_bytes=called)
+
+
+def _added_bytes(call: Callable[[], Any], steps: int, warmup: int,
+                 allocators: list[str]) -> list[int]:
+    """What each of ``steps`` calls of ``call`` adds by ``allocators`` (``profiler.trace.
+    AllocatorPeak``), after ``warmup`` calls."""
+    for _ in range(warmup):
+        call()
+    readings = []
+    for _ in range(steps):
+        with AllocatorPeak(devices=allocators) as allocator:
+            call()
+        readings.append(allocator.added_bytes)
+    return readings
 
 
 def step_peak(resident_bytes: int, allocator_added_bytes: int | None, records_peak_bytes: int,
@@ -200,7 +245,7 @@ def measure_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
             other gradients.
     """
     baseline = baseline or measure_step(original, steps, warmup, sessions=sessions)
-    measured = measure_step(rewritten, steps, warmup, sessions=sessions)
+    measured = measure_step(rewritten, steps, warmup, sessions=sessions, traced_from=original)
     return compare_rewrite(original, rewritten, plan, baseline, measured, weights, sessions,
                            rounds=max(steps, 3), warmup=warmup)
 
@@ -247,6 +292,9 @@ def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         "measured_peak_bytes": measured.peak_bytes,
         "measured_records_peak_bytes": measured.records_peak_bytes,
         "measured_resident_bytes": measured.resident_bytes,
+        # What the step added called as the user calls it (``measure_step``'s
+        # ``traced_from``; ``None``: not read), within ``measured_peak_bytes``.
+        "measured_called_added_bytes": measured.called_added_bytes,
         "peak_ratio": measured.peak_bytes / baseline.peak_bytes,
         "prediction_error": measured.peak_bytes / plan.peak_bytes - 1.0,
         "planned_overhead": plan.overhead,

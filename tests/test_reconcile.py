@@ -47,6 +47,11 @@ def test_report_peaks_are_the_allocators_and_the_step_is_the_users(model, ratio)
     assert row["ruler"] == "allocator"
     # The baseline is what the allocator reads around the user's own step.
     assert row["baseline_over_user"] == pytest.approx(1.0, abs=0.05)
+    # The report read the rewritten step called as the user calls it too (``remat.measure``),
+    # and its measured peak holds that reading.
+    assert row["report_called_added_bytes"] is not None
+    assert row["report_measured_bytes"] >= (row["report_measured_resident_bytes"]
+                                            + row["report_called_added_bytes"])
     # The rewritten step, called as the user calls it, fits the budget.
     assert row["rewritten_added_over_budget_added"] <= 1.05
     assert row["rewritten_over_budget"] <= 1.05

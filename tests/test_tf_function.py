@@ -13,7 +13,7 @@ import tensorflow as tf  # noqa: E402
 from graphfit.profiler.session import make_session  # noqa: E402
 from graphfit.profiler.tf_function import (FunctionItem, FunctionItemError,  # noqa: E402
                                            classifier_train_step, graph_item_from_function,
-                                           to_callable)
+                                           on_variable_copies, to_callable)
 from graphfit.profiler.trace import profile_graph  # noqa: E402
 
 WIDTH, BATCH = 32, 64
@@ -116,6 +116,25 @@ def test_callable_trains_the_keras_model_like_the_original_step(optimizer):
     x, _ = _batch(5)
     np.testing.assert_allclose(model.predict_on_batch(x), reference_model.predict_on_batch(x),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_call_on_variable_copies_trains_the_copies_not_the_users_model():
+    """``on_variable_copies`` runs the step as ``to_callable`` does, from the user's current
+    weights, on the traced batch, and leaves the user's model and optimizer untouched."""
+    model, opt, train_step = _keras_step()
+    reference_model, reference_opt, reference_step = _keras_step()
+    item = graph_item_from_function(train_step, *_batch())
+    train_step(*_batch(1))      # the user trains on after tracing: the copies start from here
+    reference_step(*_batch(1))
+    before = _state(model, opt)
+    call = on_variable_copies(item, item)
+    losses = [float(call()) for _ in range(3)]
+    _assert_same_state(_state(model, opt), before)
+    assert int(opt.iterations.numpy()) == 1
+    # The copies trained: each call's loss is the reference's on the same batch and weights.
+    expected = [float(reference_step(*_batch())) for _ in range(3)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    assert losses[2] < losses[0]
 
 
 def test_callable_runs_a_step_whose_ops_wait_for_its_data_inputs(traced):
