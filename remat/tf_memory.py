@@ -337,7 +337,11 @@ def _calibrate(spec: OpSpec, trace: StepTrace) -> dict[int, tuple[str, int]]:
     for port in range(len(output_bytes)):
         if port not in allocated:
             if spec.op_type in IDENTITY_OP_TYPES:
-                output_bytes[port] = 0   # a view, whatever Grappler pruned from the trace
+                # A view, whatever Grappler pruned from the trace: of the input it shows, or
+                # its readers would read a tensor the plan frees after its own readers.
+                output_bytes[port] = 0
+                if port < len(spec.inputs):
+                    taken[port] = tuple(spec.inputs[port])
             continue            # not traced: keep the profile's (or static) estimate
         source = input_address.get(address.get(port))
         if source is not None:
