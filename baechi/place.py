@@ -137,7 +137,12 @@ class Placement:
         start, finish = s.start_us, s.finish_us
         position = np.empty(units.num_units, dtype=np.int64)
         position[s.order] = np.arange(units.num_units)
-        direct = set(zip(*units.edges.tolist()))
+        # Only a data edge is sure to be in the built step: a control edge of the planned graph
+        # may not be (the unrolled remat plan pins forward ops the rewrite leaves free), and
+        # two convolutions it ordered ran side by side, 1-2 MiB over the plan (2026-12-07).
+        pair_t, pair_u = units.consumer_pairs()
+        data = units.tensor_op_tensor[pair_t] >= 0
+        direct = set(zip(units.tensor_producer[pair_t[data]].tolist(), pair_u[data].tolist()))
         edges: set[tuple[int, int]] = set()
         on_device = []
         has_inputs = np.bincount(units.edges[1], minlength=units.num_units) > 0

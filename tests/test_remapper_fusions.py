@@ -1,10 +1,14 @@
-"""Grappler's remapper fuses MatMul/Conv2D + BiasAdd + activation only when no member has a
-control edge; ``profiler.remapper_fusions`` moves the ordering edges of a rewritten step off such
-groups, keeping what runs after what."""
+"""Grappler's remapper fuses MatMul/Conv2D + BiasAdd + activation (and, with oneDNN,
+FusedBatchNorm + Relu) only when no member has a control edge; ``profiler.remapper_fusions``
+moves the ordering edges of a rewritten step off such groups, keeping what runs after what."""
 
 from __future__ import annotations
 
 import collections
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -44,6 +48,24 @@ def _dense(conv: bool, reader_feeds_bias: bool = False) -> tf.compat.v1.GraphDef
             with tf.control_dependencies([c.op, b.op, r.op]):
                 outputs.append(tf.reduce_sum(tf.square(x), name="after"))
         tf.identity(tf.add_n(outputs), name="result")
+    return graph.as_graph_def()
+
+
+def _batch_norm_relu() -> tf.compat.v1.GraphDef:
+    """x -> FusedBatchNormV3 (training) -> Relu -> sum, both members pinned after ``anchor``
+    and waited for by ``after``, as a placement's memory order pins them."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4, 4, 8], name="x")
+        anchor = tf.square(x, name="anchor")
+        with tf.control_dependencies([anchor]):
+            y, mean, _ = tf.compat.v1.nn.fused_batch_norm(
+                x, tf.ones([8]), tf.zeros([8]), is_training=True, name="bn")
+        with tf.control_dependencies([anchor]):
+            r = tf.nn.relu(y, name="r")
+        with tf.control_dependencies([y.op, r.op]):
+            after = tf.reduce_sum(tf.square(x), name="after")
+        tf.identity(tf.reduce_sum(r) + tf.reduce_sum(mean) + after, name="result")
     return graph.as_graph_def()
 
 
@@ -152,3 +174,48 @@ def test_a_second_run_reuses_the_helpers_of_the_first(run_optimized):
     x = np.resize(np.linspace(-2, 2, 16, dtype=np.float32), [2, 8])
     _, ran = _op_types(run_optimized, graph_def, x)
     assert ran["_FusedMatMul"] == 1
+
+
+def _batch_norm_kernels() -> list[dict]:
+    """Run in a subprocess (oneDNN is chosen when TF loads): the op types of the batch-norm
+    graph the session ran, before and after the pass."""
+    graph_def = _batch_norm_relu()
+    x = np.resize(np.linspace(-2, 2, 50, dtype=np.float32), [2, 4, 4, 8])
+    ran = []
+    for _ in range(2):
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.import_graph_def(graph_def, name="")
+        metadata = tf.compat.v1.RunMetadata()
+        with tf.compat.v1.Session(graph=graph, config=session_config()) as session:
+            session.run("result:0", {"x:0": x}, run_metadata=metadata,
+                        options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+        ran.append(dict(collections.Counter(n.op for g in metadata.partition_graphs
+                                            for n in g.node)))
+        keep_remapper_fusions(graph_def)
+    return ran
+
+
+def test_a_batch_norm_and_its_relu_are_freed_and_fuse_with_onednn():
+    """The placed zoo resnet's memory order left every ``FusedBatchNormV3 + Relu`` apart while
+    the plan was calibrated on the fused user step (2026-12-07): the pass frees the pair, in
+    order, and with oneDNN the session runs it as one ``_FusedBatchNormEx``."""
+    graph_def = _batch_norm_relu()
+    assert keep_remapper_fusions(graph_def) == {"groups": 1, "freed": 1, "blocked": 0}
+    members = {"bn", "r"}
+    for node in graph_def.node:
+        controls = {i[1:] for i in node.input if i.startswith("^")}
+        assert not (node.name in members and controls) and not controls & members, node.name
+    assert all("anchor" in _ancestors(graph_def, m) for m in members)
+    assert members <= _ancestors(graph_def, "after")
+
+    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    apart, fused = json.loads(result.stdout.strip().splitlines()[-1])
+    assert apart.get("Relu") == 1 and not any("BatchNormEx" in op for op in apart), apart
+    assert "Relu" not in fused and any("BatchNormEx" in op for op in fused), fused
+
+
+if __name__ == "__main__":
+    print(json.dumps(_batch_norm_kernels()))
