@@ -314,3 +314,37 @@ def test_memory_model_sees_identity_views_and_never_chains_constants():
     inputs = [t.name for t in rewritten.graph.get_operation_by_name("product").inputs]
     assert inputs == ["a/remat_1:0", "views:1"]
     compare_steps(item, rewritten).check()
+
+
+def test_an_identity_grappler_pruned_from_the_trace_is_still_a_view():
+    """Grappler prunes an ``IdentityN`` (Keras's custom-gradient wrapper over each swish of
+    ``keras.applications.EfficientNetB0``) from the traced step; its readers still keep the
+    tensors it shows alive, or the plan frees an activation that the backward pass holds
+    (EfficientNetB0's plans were 23 MiB under the records, 2026-12-07)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from graphfit.models.graph_item import GraphItem
+    from graphfit.remat.tf_memory import trace_steps, tf_memory_model
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+        a = tf.multiply(x, 2.0, name="a")
+        b = tf.add(x, 1.0, name="b")
+        views = tf.identity_n([a, b], name="views")
+        product = tf.multiply(views[0], views[1], name="product")
+        loss = tf.reduce_sum(product, name="loss")
+        train_op = tf.no_op(name="train_op")
+        init_op = tf.no_op(name="init")
+    item = GraphItem(graph, train_op.name, loss.name, [], init_op.name,
+                     {"x:0": np.ones([64, 64], np.float32)})
+    trace = trace_steps(item)[0]
+    for record in (trace.start_us, trace.address, trace.allocated):
+        record.pop("views", None)                       # as Grappler's pruning leaves it
+    model = tf_memory_model(item, trace=trace)
+    plan_graph = model.plan_graph
+    assert model.cost_graph.output_bytes(model.cost_graph.index["views"]).tolist() == [0, 0]
+    reads = {plan_graph.names[int(plan_graph.tensor_producer[t])]
+             for t in plan_graph.op_inputs(plan_graph.index["product"])}
+    assert reads == {"views", "a", "b"}
