@@ -44,8 +44,8 @@ from graphfit.profiler.trace import AllocatorPeak, profile_graph, uncounted_belo
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "step_peak", "paired_overhead",
-           "paired_overheads", "measure_rewrite",
+__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "read_calls", "step_peak",
+           "paired_overhead", "paired_overheads", "measure_rewrite",
            "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX", "CALLS_READ"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
@@ -136,17 +136,30 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
     added = max(profile.metadata["allocator_added_bytes"], default=None)
-    called = None
-    if added is not None and isinstance(traced_from, FunctionItem):
-        called = max(_added_bytes(on_variable_copies(item, traced_from), CALLS_READ, warmup,
-                                  profile.metadata["allocator_devices"]))
-        added = max(added, called)
     peak, ruler = step_peak(resident, added, profile.peak_bytes,
                             profile.metadata["allocator_devices"])
-    return StepMeasurement(
+    measured = StepMeasurement(
         peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
-        step_time_us=statistics.median(times), profile=profile, called_added_bytes=called)
+        step_time_us=statistics.median(times), profile=profile)
+    return measured if traced_from is None else read_calls(measured, item, traced_from, warmup)
+
+
+def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphItem,
+               warmup: int = 1) -> StepMeasurement:
+    """``measured`` (``item``'s session steps) with ``item`` also read as the user calls it,
+    when ``traced_from`` is a traced ``tf.function`` and the allocator keeps statistics
+    (``measure_step``'s ``traced_from``); as it is otherwise."""
+    allocators = measured.profile.metadata["allocator_devices"]
+    if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
+        return measured
+    called = max(_added_bytes(on_variable_copies(item, traced_from), CALLS_READ, warmup,
+                              allocators))
+    added = max(measured.allocator_added_bytes, called)
+    peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,
+                            allocators)
+    return dataclasses.replace(measured, peak_bytes=peak, ruler=ruler,
+                               allocator_added_bytes=added, called_added_bytes=called)
 
 
 def _added_bytes(call: Callable[[], Any], steps: int, warmup: int,
