@@ -35,8 +35,11 @@ allocates, so this module calibrates a cost graph against one traced step:
   every reader of such a view also reads the viewed tensor, whose buffer lives as long as the
   view is read. Keras 3 optimizers pass all gradients through one ``IdentityN`` (the default
   replica context's all-reduce); counting its outputs as new buffers would double the
-  gradients' bytes (twice over: it lists each gradient twice). ``remat.rewrite`` reads a
-  recomputed source directly where a plan recomputes it after the view was taken.
+  gradients' bytes (twice over: it lists each gradient twice). An identity Grappler pruned
+  from the trace is a view of its input all the same: Keras wraps each swish of
+  ``keras.applications.EfficientNetB0`` in a custom gradient's ``IdentityN``, and its
+  backward readers hold the activation. ``remat.rewrite`` reads a recomputed source directly
+  where a plan recomputes it after the view was taken.
 - **Slices are views.** Several outputs at one input's buffer share it: ``Unpack`` along
   axis 0 (a Keras RNN with ``unroll=True`` unstacks its input sequence) returns slices of
   its input without copying, and the trace shows each slice at the input's own address with
