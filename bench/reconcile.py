@@ -112,13 +112,9 @@ def _allocator_readings(call, calls: int = 4) -> list[int] | None:
     (``remat.measure.measure_step`` reads its steps alike: the peak varies with the order the
     inter-op threads run the ops, 79-97 MB over 12 calls of ``ResNet50``'s step) and keeps all
     of them, to show the spread."""
-    from graphfit.profiler.trace import AllocatorPeak
+    from graphfit.profiler.trace import added_by_calls
 
-    readings = []
-    for _ in range(calls):
-        with AllocatorPeak() as allocator:
-            call()
-        readings.append(allocator.added_bytes)
+    readings = added_by_calls(call, calls)
     return None if None in readings else readings
 
 

@@ -58,6 +58,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -76,7 +77,8 @@ CPU_ALLOCATOR = "CPU:0"
 ONEDNN_UNCOUNTED_BYTES = 262144
 
 __all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress",
-           "AllocatorPeak", "allocator_devices", "default_allocator", "uncounted_below_bytes",
+           "AllocatorPeak", "added_by_calls", "allocator_devices", "default_allocator",
+           "uncounted_below_bytes",
            "traced_peak_bytes", "CPU_ALLOCATOR", "ONEDNN_UNCOUNTED_BYTES"]
 
 
@@ -169,6 +171,21 @@ class AllocatorPeak:
             device = max(peaks, key=lambda d: peaks[d] - self._start[d])
             self.bytes = peaks[device]
             self.added_bytes = peaks[device] - self._start[device]
+
+
+def added_by_calls(call: Callable[[], Any], calls: int, warmup: int = 0,
+                   devices: Iterable[str] | None = None) -> list[int | None]:
+    """What each of ``calls`` calls of ``call`` adds by the allocators of ``devices``
+    (``AllocatorPeak.added_bytes``; ``None`` where they keep no statistics), after ``warmup``
+    calls."""
+    for _ in range(warmup):
+        call()
+    readings = []
+    for _ in range(calls):
+        with AllocatorPeak(devices=devices) as allocator:
+            call()
+        readings.append(allocator.added_bytes)
+    return readings
 
 
 def traced_peak_bytes(session: tf.compat.v1.Session, graph: tf.Graph, fetches, feeds) -> int:

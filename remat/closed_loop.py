@@ -13,12 +13,11 @@ not, the planning budget is lowered by the measured excess (``replanning_budgets
 ``MAX_PLAN_ROUNDS`` rounds at most. The step returned must compute the user's loss and
 gradients (``remat.measure``): compared once, on that step alone, since a comparison runs
 three steps in fresh sessions (15 s of ``keras.applications.ResNet50``'s 73 s, 2026-12-06).
-Backward
-events may float beside the chain (``remat.side_by_side``) only in a verified step whose
-measured peak meets the budget (as a strict chain's must) and stays within ``PEAK_TOLERANCE``
-of its plan; otherwise the strict chain is lowered from the same plan first, or, where the
-step read more above its plan than floating explains (``FLOATING_EXCESS``), planned for a
-lower budget at once.
+Backward events may float beside the chain (``remat.side_by_side``) only in a verified step
+whose measured peak meets the budget (as a strict chain's must) and whose allocation records
+stay within ``PEAK_TOLERANCE`` of its plan; otherwise the strict chain is lowered from the
+same plan first, or, where the step read more above its plan than floating explains
+(``FLOATING_EXCESS``), planned for a lower budget at once.
 """
 
 from __future__ import annotations
@@ -160,7 +159,8 @@ def _floating_kept(measured: "StepMeasurement", planned_bytes: int, budget_bytes
     predicts, are within ``PEAK_TOLERANCE`` of its plan. What the allocator reads above the
     records is its chunks' (DESIGN.md §12), no doing of the floating: ``keras.applications.
     EfficientNetB0``'s floating step read 86.2 MiB by the allocator and 81.8 by the records
-    against a plan of 81.8, and its strict chain read the same, a round of 15 s for nothing
+    against a plan of 81.8, and its strict chain read the same: a second round, 9 s more of
+    measuring for nothing
     (2026-12-07). The floating bound itself is not sound on every run (the mlp
     ``activations`` step measured 0.25-1 MiB over its plan in 12 of 32 traced runs), but
     where the plan leaves room below the budget the step still fits. The strict chain is no

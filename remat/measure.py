@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -40,7 +40,7 @@ from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.step_compare import ReferenceStep, WeightCheck, compare_steps
 from graphfit.profiler.tf_function import FunctionItem, on_variable_copies
-from graphfit.profiler.trace import AllocatorPeak, profile_graph, uncounted_below_bytes
+from graphfit.profiler.trace import added_by_calls, profile_graph, uncounted_below_bytes
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
@@ -153,27 +153,13 @@ def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphIte
     allocators = measured.profile.metadata["allocator_devices"]
     if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
         return measured
-    called = max(_added_bytes(on_variable_copies(item, traced_from), CALLS_READ, warmup,
-                              allocators))
+    called = max(added_by_calls(on_variable_copies(item, traced_from), CALLS_READ, warmup,
+                                allocators))
     added = max(measured.allocator_added_bytes, called)
     peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,
                             allocators)
     return dataclasses.replace(measured, peak_bytes=peak, ruler=ruler,
                                allocator_added_bytes=added, called_added_bytes=called)
-
-
-def _added_bytes(call: Callable[[], Any], steps: int, warmup: int,
-                 allocators: list[str]) -> list[int]:
-    """What each of ``steps`` calls of ``call`` adds by ``allocators`` (``profiler.trace.
-    AllocatorPeak``), after ``warmup`` calls."""
-    for _ in range(warmup):
-        call()
-    readings = []
-    for _ in range(steps):
-        with AllocatorPeak(devices=allocators) as allocator:
-            call()
-        readings.append(allocator.added_bytes)
-    return readings
 
 
 def step_peak(resident_bytes: int, allocator_added_bytes: int | None, records_peak_bytes: int,
