@@ -325,6 +325,21 @@ def test_the_order_search_stops_at_a_plan_that_recomputes_next_to_nothing(chain)
     assert tight.overhead > 1 + ORDER_SEARCH_SLACK and len(tight.stats["orders"]) == 2
 
 
+def test_after_the_first_two_orders_the_search_stops_at_a_plan_that_recomputes_little(chain):
+    """Past the first model's two plans, ``cheapest_plan`` traces no further order for a plan
+    within ``FIRST_MODEL_SLACK``; a plan that recomputes more tries every order."""
+    from graphfit.remat.pipeline import FIRST_MODEL_SLACK, ORDER_SEARCH_SLACK
+
+    graph, model = chain
+    models = [model, MemoryModel(graph, graph, [[i] for i in range(graph.num_ops)]), model]
+    peak = checkpoint_all(graph).peak_bytes
+    _, little = cheapest_plan(models, int(0.95 * peak), "dtr", 2.0, "loss:0")
+    assert 1 + ORDER_SEARCH_SLACK < little.overhead <= 1 + FIRST_MODEL_SLACK
+    assert len(little.stats["orders"]) == 2
+    _, more = cheapest_plan(models, int(0.8 * peak), "dtr", 2.0, "loss:0")
+    assert more.overhead > 1 + FIRST_MODEL_SLACK and len(more.stats["orders"]) == 3
+
+
 def test_an_option_measured_over_its_limits_gives_way_to_the_next(monkeypatch):
     """Joint mode's closed loop: the fastest option, measured over a device's limit, is not
     returned; the next fastest is built and measured instead."""
