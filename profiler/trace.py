@@ -335,7 +335,8 @@ def _fused_ops(step_ops: list[tf.Operation], costs: dict[str, OpCost]) -> list[s
 def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every: int = 2,
                   num_cpu_devices: int = 1, target: str = "",
                   progress: bool | None = True,
-                  session_factory: Callable[[tf.Graph], tf.compat.v1.Session] | None = None
+                  session_factory: Callable[[tf.Graph], tf.compat.v1.Session] | None = None,
+                  on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None
                   ) -> Profile:
     """Run ``item``'s training step and measure it.
 
@@ -349,6 +350,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
             ``False`` for none.
         session_factory: graph -> the session to run in (e.g. ``baechi.run.RunTarget.session``,
             which bounds and diagnoses calls on a cluster); default ``make_session``.
+        on_traced_step: called with each traced step's ``RunMetadata`` (``remat.tf_memory.
+            TracedOrders`` takes the first as the first order it plans on).
 
     Returns:
         The profile; its ``coverage`` is the fraction of the step's ops measured.
@@ -381,6 +384,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                 allocator_added.append(allocator.added_bytes)
             if traced:
                 runs.append(metadata)
+                if on_traced_step is not None:
+                    on_traced_step(metadata)
     costs, devices = profile_from_run_metadata(item.graph, runs, op_names)
     fused = _fused_ops(step_ops, costs)
     costs.update((name, OpCost(compute_us=0.0, output_bytes=[0] * len(

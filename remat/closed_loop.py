@@ -234,7 +234,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import compare_rewrite, measure_step, read_calls
     from graphfit.remat.step_time import trace_for_prediction
-    from graphfit.remat.tf_memory import TracedOrders
+    from graphfit.remat.tf_memory import StepTrace, TracedOrders, step_trace
 
     # One session per step and configuration for every stage (``OpenSessions``): the user's
     # step, the planned step, its serial chain, each rewritten step.
@@ -250,9 +250,11 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                      else ratio_budget(baseline.peak_bytes, baseline.resident_bytes,
                                        budget_ratio))
         # Plans are made for, and rewritten steps run under, the project's configuration.
+        traced: list[StepTrace] = []     # the profile's traced step: the first order
         with times.stage("profile"):
             profiled = measure_step(item, steps=3, warmup=1, num_cpu_devices=num_cpu_devices,
-                                    config=session_config(num_cpu_devices), sessions=sessions)
+                                    config=session_config(num_cpu_devices), sessions=sessions,
+                                    on_traced_step=lambda run: traced.append(step_trace(run)))
         profile = profiled.profile
         planning_budget, rounds, side_by_side = records_budget(budget, profiled), [], verify
         # Milder budgets, each planned for in turn when no plan fits the one before: the
@@ -263,10 +265,11 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         # EfficientNetB0`` the line through it and a plan of half its size aimed below every
         # plan (2026-12-07); the allocator's excess is not linear over that range.
         points = []
-        # Orders are traced as the search asks for them (``TracedOrders``), the first here.
-        models = TracedOrders(item, profile, PLAN_ORDERS, sessions)
+        # Orders are traced as the search asks for them (``TracedOrders``); the first is the
+        # profile's traced step, calibrated here.
+        models = TracedOrders(item, profile, PLAN_ORDERS, sessions, first=traced[0])
         with times.stage("trace_orders"):
-            models[0]                             # traced now: the first order every round plans
+            models[0]                             # the first order every round plans
         # The same for every round of planning.
         traces = None
         if verify and predict_step_time:

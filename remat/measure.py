@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -102,7 +102,9 @@ class StepMeasurement:
 def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devices: int = 1,
                  config: tf.compat.v1.ConfigProto | None = None,
                  sessions: OpenSessions | None = None,
-                 traced_from: GraphItem | None = None) -> StepMeasurement:
+                 traced_from: GraphItem | None = None,
+                 on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None
+                 ) -> StepMeasurement:
     """Run ``item``'s training step (update and loss) and measure its peak.
 
     ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
@@ -113,6 +115,7 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     Keras's updates wait for the last gradient, and ``keras.applications.ResNet50`` (64x64,
     batch 8, SGD) added 135 MB instead of 79-86 MB (2026-12-06, ``bench/reconcile.py``).
     ``sessions``: run in the pool's session of the step (``profiler.session.OpenSessions``).
+    ``on_traced_step``: called with the traced step's ``RunMetadata`` (``profile_graph``).
 
     ``traced_from``: the user's step ``item`` was rewritten from. When it is a traced
     ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps
@@ -132,7 +135,8 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     with OpenSessions.reuse(sessions) as pool:
         profile = profile_graph(step_item(item), steps=steps, warmup=warmup, trace_every=steps,
                                 num_cpu_devices=num_cpu_devices, progress=None,
-                                session_factory=lambda graph: pool.borrow(graph, config))
+                                session_factory=lambda graph: pool.borrow(graph, config),
+                                on_traced_step=on_traced_step)
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
     added = max(profile.metadata["allocator_added_bytes"], default=None)

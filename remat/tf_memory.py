@@ -218,13 +218,16 @@ class TracedOrders(collections.abc.Sequence):
     session of the step (``trace_steps``; ``sessions``' if given), on one uncalibrated cost
     graph built once: a search that stops at its first plan (``remat.pipeline.
     ORDER_SEARCH_SLACK``) traces one step, not ``count`` (six traced steps took 6 s of
-    ``keras.applications.ResNet50``'s ``optimize``, 2026-12-06)."""
+    ``keras.applications.ResNet50``'s ``optimize``, 2026-12-06). ``first``: a step already
+    traced in that session (the profile's, ``remat.measure.measure_step``'s
+    ``on_traced_step``), taken as the first order instead of tracing one."""
 
     def __init__(self, item: GraphItem, profile: Profile | None, count: int,
-                 sessions: OpenSessions | None = None):
+                 sessions: OpenSessions | None = None, first: StepTrace | None = None):
         self._item, self._profile, self._count, self._sessions = item, profile, count, sessions
         self._base: CostGraph | None = None
         self._models: list[MemoryModel] = []
+        self._traces = [] if first is None else [first]
 
     def __len__(self) -> int:
         return self._count
@@ -240,9 +243,10 @@ class TracedOrders(collections.abc.Sequence):
                                                [self._item.train_op, self._item.loss],
                                                self._profile)
         while len(self._models) <= index:
-            trace, = trace_steps(self._item, warmup=0 if self._models else 1,
-                                 sessions=self._sessions)
-            self._models.append(_calibrated(self._base, trace))
+            if len(self._traces) <= len(self._models):
+                self._traces += trace_steps(self._item, warmup=0 if self._traces else 1,
+                                            sessions=self._sessions)
+            self._models.append(_calibrated(self._base, self._traces[len(self._models)]))
         return self._models[index]
 
 

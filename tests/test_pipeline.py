@@ -193,6 +193,26 @@ def test_the_plan_is_the_cheapest_of_several_traced_orders(item):
         rematerialize(step, [], budget_ratio=0.7)
 
 
+def test_the_profiles_traced_step_is_the_first_traced_order(item):
+    """``TracedOrders`` takes a step already traced (the profile's) as its first order, the
+    same model as one calibrated on that trace, and traces the next ones itself."""
+    import numpy as np
+
+    from graphfit.remat.measure import measure_step
+    from graphfit.remat.tf_memory import TracedOrders, step_item, step_trace, tf_memory_model
+
+    step = step_item(item)
+    traced = []
+    profile = measure_step(step, steps=2, warmup=1,
+                           on_traced_step=lambda run: traced.append(step_trace(run))).profile
+    assert len(traced) == 1
+    orders = TracedOrders(step, profile, 2, first=traced[0])
+    same = tf_memory_model(step, profile, trace=traced[0])
+    assert orders[0].members == same.members
+    assert np.array_equal(orders[0].plan_graph.tensor_bytes, same.plan_graph.tensor_bytes)
+    assert orders[1].cost_graph.num_ops == same.cost_graph.num_ops
+
+
 def test_the_first_plan_aims_below_the_budget_by_what_the_ruler_reads_beyond_the_records():
     """Where TF's allocator reads the step adding more than its allocation records (oneDNN's
     own buffers), the plan, a prediction of the records, aims lower by their share; where the
