@@ -162,12 +162,11 @@ def _records_as_planned(measured: "StepMeasurement", planned_bytes: int) -> bool
 def _floating_kept(measured: "StepMeasurement", planned_bytes: int, budget_bytes: int) -> bool:
     """Whether a step with floating events may stay as measured: it meets the budget as a
     strict chain must (``meets_budget``), and its allocation records, which are what a plan
-    predicts, are within ``PEAK_TOLERANCE`` of its plan (``_records_as_planned``). What the allocator reads above the
-    records is its chunks' (DESIGN.md §12), no doing of the floating: ``keras.applications.
-    EfficientNetB0``'s floating step read 86.2 MiB by the allocator and 81.8 by the records
-    against a plan of 81.8, and its strict chain read the same: a second round, 9 s more of
-    measuring for nothing
-    (2026-12-07). The floating bound itself is not sound on every run (the mlp
+    predicts, are within ``PEAK_TOLERANCE`` of its plan (``_records_as_planned``). What the
+    allocator reads above the records is its chunks' (DESIGN.md §12), no doing of the
+    floating: ``keras.applications.EfficientNetB0``'s floating step read 86.2 MiB by the
+    allocator and 81.8 by the records against a plan of 81.8, and its strict chain read the
+    same: a second round, 9 s more of measuring for nothing (2026-12-07). The floating bound itself is not sound on every run (the mlp
     ``activations`` step measured 0.25-1 MiB over its plan in 12 of 32 traced runs), but
     where the plan leaves room below the budget the step still fits. The strict chain is no
     lower by itself: until 2026-12-06 a floating step had to stay within the budget itself,
