@@ -150,6 +150,35 @@ def test_a_relu_fused_into_its_batch_norm_is_planned_in_the_batch_norms_buffer()
     assert model(traced_relu=True).reuses == {}
 
 
+def test_a_batch_norm_read_twice_runs_without_the_fused_workspace():
+    """Grappler runs ``FusedBatchNormV3 + Relu`` as one kernel only where the ``Relu`` is the
+    batch norm output's only reader; the fused kernel's activation workspace (output 5, 1/8
+    of the activation, as calibrated on the fused step) is planned then. A plan that
+    recomputes the ``Relu`` from the kept batch norm reads that output twice: TF runs the
+    batch norm alone, with no workspace (the zoo resnet's joint run: 256 KiB planned and not
+    measured on a device, 2026-12-07)."""
+    planned = CostGraph.from_ops([
+        OpSpec("x", "Placeholder", output_bytes=[0], persistent_bytes=MB),
+        OpSpec("n", "FusedBatchNormV3", inputs=[("x", 0)],
+               output_bytes=[MB, 64, 64, 64, 64, MB // 8]),
+        OpSpec("r", "Relu", inputs=[("n", 0)], output_bytes=[MB]),
+        OpSpec("c", "Conv2D", inputs=[("r", 0)], output_bytes=[MB]),
+        OpSpec("g", "FusedBatchNormGradV3", inputs=[("c", 0), ("r", 0), ("n", 5)],
+               output_bytes=[MB])])
+    reuses = {2: [int(planned.output_offset[1])]}       # r takes n:0 over, as fused
+
+    def workspace(events):
+        plan = RematPlan([Event(kind, i) for kind, i in events], 3 * MB, 3 * MB, 1, 1, "x")
+        graph = take_over_buffers(recompute_graph(planned, plan), planned, reuses).graph
+        return int(graph.output_bytes(graph.index["n"])[5])
+
+    once = [("compute", i) for i in range(5)]
+    assert workspace(once) == MB // 8
+    twice = [("compute", 0), ("compute", 1), ("compute", 2), ("compute", 3), ("free", 2),
+             ("recompute", 2), ("compute", 4)]
+    assert workspace(twice) == 0
+
+
 def test_search_fits_where_neither_one_pass_option_does(chain):
     graph, model = chain
     peak = checkpoint_all(graph).peak_bytes
