@@ -292,17 +292,23 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         earliest start is later than the best so far is not asked (it cannot win, and its
         stale estimates wait for a turn it can win: with four devices, a third of the asks)."""
         lower = [earliest(d) for d in all_devices]
-        by_lower = sorted(all_devices, key=lower.__getitem__)
-        candidates: dict[int, tuple] = {}
+        candidates = [None] * num_devices
+        asked = [False] * num_devices
         touched.clear()
-        while True:
-            best = min(filter(None, candidates.values()), default=None)  # devices differ
-            d = next((d for d in by_lower if (d not in candidates or d in touched)
-                      and (best is None or lower[d] <= best[0])), None)
-            if d is None:
-                return best
-            touched.discard(d)  # a unit moved to its group's device: ask that one again
-            candidates[d] = candidate(d)
+        best = None
+        again = True
+        while again:
+            again = False
+            for d in sorted(all_devices, key=lower.__getitem__):
+                if best is not None and lower[d] > best[0]:
+                    break
+                if asked[d] and d not in touched:
+                    continue
+                touched.discard(d)  # a unit moved to its group's device: ask that one again
+                asked[d] = again = True
+                candidates[d] = candidate(d)
+                best = min(filter(None, candidates), default=None)  # devices differ
+        return best
 
     def unpark_readers(first_transfer: int) -> None:
         """A copy that reached a device makes its readers' parked bounds too high there:
