@@ -35,6 +35,7 @@ from graphfit.baechi.devices import DeviceSet
 from graphfit.baechi.memory_first import memory_first
 from graphfit.baechi.schedule import PlacementError, Schedule, ScheduleBuilder
 from graphfit.baechi.units import UnitGraph
+from graphfit.profiler.cost_graph import gc_paused
 
 __all__ = ["m_etf"]
 
@@ -88,12 +89,16 @@ def m_etf(units: UnitGraph, devices: DeviceSet, memory_model: str = "liveness",
         Hwang et al., "Scheduling precedence graphs in systems with interprocessor
         communication times", SIAM J. Comput. 18(2), 1989.
     """
-    if not memory_first_only:
-        try:
-            return _earliest_task_first(units, devices, memory_model, favourite_parent, method)
-        except PlacementError:
-            pass
-    return memory_first(units, devices, memory_model, favourite_parent, method)
+    # List scheduling allocates millions of small tuples and lists and no cycles: the cyclic
+    # collections their number triggers took 0.5-0.9 s of 6 on the 100k random graph
+    with gc_paused():
+        if not memory_first_only:
+            try:
+                return _earliest_task_first(units, devices, memory_model, favourite_parent,
+                                            method)
+            except PlacementError:
+                pass
+        return memory_first(units, devices, memory_model, favourite_parent, method)
 
 
 def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str,
