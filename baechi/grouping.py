@@ -75,9 +75,12 @@ def tf_colocation_groups(graph: CostGraph) -> np.ndarray:
     uf = nx.utils.UnionFind(range(graph.num_ops))
     by_label: dict[str, int] = {}
     for i, label in enumerate(graph.colocation_groups):
-        uf.union(by_label.setdefault(label, i), i)
+        # most ops are labelled with their own name: no union (100k of them took 0.3 s)
+        first = by_label.setdefault(label, i)
+        if first != i:
+            uf.union(first, i)
         j = graph.index.get(label)
-        if j is not None:
+        if j is not None and j != i:
             uf.union(j, i)
     for i in np.flatnonzero(graph.is_variable).tolist():
         for t in graph.op_outputs(i):

@@ -302,7 +302,7 @@ class ScheduleBuilder:
         # data_ready_us asks _incoming with gated, late or transient sends; otherwise it keeps
         # u * D + device -> a ready unit's inputs (local ready time, sends)
         self._ready_from_incoming = late_sends or gates is not None or self.transient_copies
-        self._ready_inputs: dict[int, tuple[float, list[tuple[float, int, float]]]] = {}
+        self._ready_inputs: dict[int, tuple[float, list[tuple[float, int, float]], float]] = {}
         self.last_use: dict[int, float] = {}         # t * D + device -> when it may be freed
         self.holders: list[list[int]] = [[] for _ in range(units.num_tensors)]
         self.remaining = [len(c) for c in self._consumers]
@@ -394,26 +394,23 @@ class ScheduleBuilder:
         k = bisect.bisect_right(ends, latest) - 1
         return self.units_on[src][k] if k >= 0 and ends[k] > available else -1
 
-    def data_ready_us(self, u: int, d: int, again: bool = False) -> float:
+    def data_ready_us(self, u: int, d: int) -> float:
         """When ``u``'s inputs would all be on device ``d`` (ignoring the device's queue):
         ``_incoming``'s time without its list of sends (the placers' hot query).
 
         m-ETF asks again for the same (unit, device) each time a link may have got busier
-        (millions of times on a 100k-op graph), and only the channel times change between
-        those asks: with ``again`` (a caller that asked before and may ask again), what the
-        inputs need (the local ready time and the sends, sorted, with their costs) is kept
-        until the unit is committed or one of its inputs reaches ``d`` (``_forget_ready``),
-        so such an ask is one pass over the sends. (Keeping every first ask cost a training
-        step, where few are asked again, more than it saved.)"""
+        (hundreds of thousands of times on a 100k-op graph), and only the channel times change
+        between those asks: what the inputs need (the local ready time and the sends, sorted,
+        with their costs) is kept until the unit is committed or one of its inputs reaches
+        ``d`` (``_forget_ready``), so such an ask is one pass over the sends, and
+        ``receive_bound`` reads it."""
         if self._ready_from_incoming:
             return self._incoming(u, d)[0]
         key = u * self.num_devices + d
         known = self._ready_inputs.get(key)
         if known is None:
-            known = self._ready_inputs_of(u, d)
-            if again:
-                self._ready_inputs[key] = known
-        ready, needed = known
+            known = self._ready_inputs[key] = self._ready_inputs_of(u, d)
+        ready, needed, _ = known
         if not needed:
             return ready
         if self.contention:  # each sender's channel, then d's, one transfer at a time
@@ -435,6 +432,32 @@ class ScheduleBuilder:
             sent[src] = begin + cost
         return max(ready, *sent.values())
 
+    def readers(self, t: int) -> list[int]:
+        """The units that read tensor ``t``."""
+        return self._consumers[t]
+
+    def receive_bound(self, u: int, d: int) -> tuple[float, float] | None:
+        """``(floor_us, cost_us)`` with ``data_ready_us(u, d) >= max(floor_us,
+        receive_free_us(d) + cost_us)``, at the cost of one look-up, for a (unit, device)
+        whose inputs ``data_ready_us`` keeps (asked ``again``, no copy of an input reached
+        ``d`` since; else None). Under contention every send into ``d`` queues on ``d``'s one
+        channel: the inputs are there no earlier than that channel is free, or the first
+        tensor, plus all the sends' costs. m-ETF tests it before asking again: when links
+        contend, nine in ten estimates that go stale do so because ``d``'s channel got busier,
+        and ``cost_us`` stays the same while that channel moves."""
+        known = self._ready_inputs.get(u * self.num_devices + d)
+        if known is None:
+            return None
+        ready, needed, cost = known
+        if not needed or not self.contention:
+            return ready, 0.0
+        return max(ready, needed[0][0] + cost), cost
+
+    def receive_free_us(self, d: int) -> float:
+        """When device ``d``'s receiving channel is free (contention; 0 with parallel links,
+        which have no shared channel)."""
+        return self.channel_free[d] if self.contention else 0.0
+
     def ready_epoch(self, d: int) -> int:
         """A count that changes whenever ``data_ready_us(·, d)`` may have changed: only
         transfers change it (channel times, copies that arrived), and with parallel links only
@@ -442,10 +465,11 @@ class ScheduleBuilder:
         a training step most commits send nothing; with parallel links most send elsewhere)."""
         return len(self.transfers) if self.contention else self.received[d]
 
-    def _ready_inputs_of(self, u: int, d: int) -> tuple[float, list[tuple[float, int, float]]]:
+    def _ready_inputs_of(self, u: int, d: int
+                         ) -> tuple[float, list[tuple[float, int, float]], float]:
         """What ``data_ready_us`` needs of ``u`` on ``d`` besides the channel times: when its
-        inputs already there are ready, and the sends of the others in ``_incoming``'s order
-        (available, source, cost)."""
+        inputs already there are ready, the sends of the others in ``_incoming``'s order
+        (available, source, cost), and the sends' total cost."""
         ready = 0.0
         needed = []
         dd, device, finish, arrival = self.num_devices, self.device, self.finish, self.arrival
@@ -464,8 +488,9 @@ class ScheduleBuilder:
                 ready = when
         needed.sort()
         a, b, t_comm = self._a, self._b, self._t_comm
-        return ready, [(available, src, a[src][d] * t_comm[t] + b[src][d])
-                       for available, t, src in needed]
+        sends = [(available, src, a[src][d] * t_comm[t] + b[src][d])
+                 for available, t, src in needed]
+        return ready, sends, sum(cost for _, _, cost in sends)
 
     def _forget_ready(self, u: int, arrived: list[tuple[int, int]]) -> None:
         """Drop ``data_ready_us``'s kept inputs of ``u`` (committed) and of the readers of
