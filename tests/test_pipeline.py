@@ -51,10 +51,12 @@ def test_unknown_pass_and_conflicting_budgets_are_errors(item):
         pipeline.optimize(item, memory_budget=1 << 20, memory_ratio=0.5, progress=None)
 
 
-def _measuring_rewritten_steps(monkeypatch, measured_peak) -> list:
+def _measuring_rewritten_steps(monkeypatch, measured_peak, records: bool = False) -> list:
     """Make each round's peak measurement of a rewritten step report
     ``measured_peak(round, plan, measurement)`` instead (the closed loop's trigger, which real
-    runs hit only now and then); returns the plans measured, round by round."""
+    runs hit only now and then), and with ``records`` its allocation records at least as much
+    (a step that did not keep its plan's memory, not only the allocator's chunks above it);
+    returns the plans measured, round by round."""
     import dataclasses
 
     from graphfit.remat import measure, rewrite
@@ -72,26 +74,29 @@ def _measuring_rewritten_steps(monkeypatch, measured_peak) -> list:
         if "test_plan" not in item.config.get("remat", {}):
             return measurement
         plans.append(item.config["remat"]["test_plan"])
-        return dataclasses.replace(measurement, peak_bytes=measured_peak(
-            len(plans), plans[-1], measurement))
+        peak = measured_peak(len(plans), plans[-1], measurement)
+        return dataclasses.replace(measurement, peak_bytes=peak, records_peak_bytes=max(
+            measurement.records_peak_bytes, peak if records else 0))
 
     monkeypatch.setattr(rewrite, "rewrite", rewrite_noting_the_plan)
     monkeypatch.setattr(measure, "measure_step", measure_step)
     return plans
 
 
-def _inflate_first_rounds(monkeypatch, rounds: int) -> None:
+def _inflate_first_rounds(monkeypatch, rounds: int, records: bool) -> None:
     """Make the first ``rounds`` measurements report a step that adds 10% more above its
-    resident bytes than the user's budget (the first round's planning budget) leaves it."""
+    resident bytes than the user's budget (the first round's planning budget) leaves it (by
+    its records too, with ``records``)."""
     plans = _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: (
         int(measured.resident_bytes + 1.1 * (plans[0].budget_bytes - measured.resident_bytes))
-        if round_ <= rounds else measured.peak_bytes))
+        if round_ <= rounds else measured.peak_bytes), records)
 
 
 @pytest.mark.slow
 def test_a_measured_peak_over_the_budget_is_planned_again_strictly_then_lower(item,
                                                                               monkeypatch):
-    _inflate_first_rounds(monkeypatch, rounds=2)
+    """A floating step whose records miss its plan: the same plan as a strict chain first."""
+    _inflate_first_rounds(monkeypatch, rounds=2, records=True)
     remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     first, strict, lower = remat["rounds"]
     planning_budgets = [r["planning_budget_bytes"] for r in remat["rounds"]]
@@ -119,7 +124,7 @@ def test_a_step_far_over_its_plan_is_planned_strictly_for_a_lower_budget_at_once
     _measuring_rewritten_steps(monkeypatch, lambda round_, plan, measured: (
         int(measured.resident_bytes + (1 + 1.5 * FLOATING_EXCESS)
             * (plan.budget_bytes - measured.resident_bytes)) if round_ == 1
-        else measured.peak_bytes))
+        else measured.peak_bytes), records=True)
     remat = pipeline.optimize(item, memory_ratio=0.9, progress=None).report()["remat"]
     first, lower = remat["rounds"]
     assert first["side_by_side_events"] > 0 and lower["side_by_side_events"] == 0
@@ -134,6 +139,19 @@ def test_a_floating_step_over_its_plan_but_within_the_budget_is_kept(item, monke
     remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
     assert remat["measured_peak_bytes"] > remat["planned_peak_bytes"]
     assert len(remat["rounds"]) == 1 and remat["side_by_side_events"] > 0
+
+
+@pytest.mark.slow
+def test_a_floating_step_over_the_budget_by_the_allocator_alone_is_planned_lower_floating(
+        item, monkeypatch):
+    """Records as planned, the allocator's reading over the budget: its strict chain would
+    read the same, so the next round plans for a lower budget and keeps the floating."""
+    _inflate_first_rounds(monkeypatch, rounds=1, records=False)
+    remat = pipeline.optimize(item, memory_ratio=0.7, progress=None).report()["remat"]
+    first, lower = remat["rounds"]
+    assert first["side_by_side_events"] > 0 and lower["side_by_side_events"] > 0
+    assert lower["planning_budget_bytes"] < first["planning_budget_bytes"]
+    assert remat["measured_peak_bytes"] <= 1.05 * remat["budget_bytes"]
 
 
 def test_without_verifying_the_backward_pass_is_a_strict_chain(item):
