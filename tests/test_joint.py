@@ -297,8 +297,10 @@ def test_placing_the_step_as_it_is_competes_with_the_searched_options(chain):
 
 @pytest.mark.slow
 def test_placed_step_with_its_memory_order_runs_within_the_limits():
-    """The mlp of the demo placed alone over four 4.5 MiB virtual CPUs (m-ETF, memory
-    planned as the devices share it), the plan's memory order written into the graph
+    """The mlp of the demo placed alone over four 5 MiB virtual CPUs (m-ETF, memory
+    planned as the devices share it; at 4.5 MiB, since joint mode orders every update after
+    its variable's reads, no placement fitted in 3 of 9 runs, by 22 KB of measured costs),
+    the plan's memory order written into the graph
     (``Placement.memory_order``): the step computes the single device's values and each
     device's measured peak is within its plan, to the tolerance ``optimize`` allows a measured
     peak (``PEAK_TOLERANCE``; some devices measure less, down to 0.73 of the plan, where TF
@@ -312,7 +314,7 @@ def test_placed_step_with_its_memory_order_runs_within_the_limits():
     item = models.build("mlp", preset="tiny", batch_size=1024, depth=8, width=256,
                         input_dim=256)
     target = local_target(4)
-    devices = DeviceSet.uniform(list(target.devices), "4.5MiB", "0.0001754,134")
+    devices = DeviceSet.uniform(list(target.devices), "5MiB", "0.0001754,134")
     result = optimize(item, joint=JointSpace((1.0,), ("m_etf",)), target=target,
                       devices=devices, progress=None)
     place = result.report()["place"]
