@@ -204,6 +204,23 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         parked_entry[u * num_devices + d] = entry
         heappush(parked_on[d], entry)
 
+    def held_back(u: int, d: int, prio: float, ready: float, receive: float,
+                  free: float) -> bool:
+        """Whether d's receiving channel alone keeps u from starting when d is free
+        (``ScheduleBuilder.receive_bound``): then u is parked, or back in waiting at the
+        floor of its inputs' arrival."""
+        bound = receive_bound(u, d)
+        if bound is None:
+            return False
+        floor, cost = bound
+        if receive + cost > free:
+            park(d, cost, prio, ready, u)
+        elif floor > free:
+            heappush(waiting[d], (floor, prio, u))
+        else:
+            return False
+        return True
+
     def unpark(d: int) -> tuple | None:
         """Take d's parked top off; None if it was unparked already (``unpark_readers``)."""
         entry = heappop(parked_on[d])
@@ -238,16 +255,8 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                 if placed[u] != -1:  # committed elsewhere
                     queued[u] &= ~(1 << d)
                     continue
-                bound = receive_bound(u, d)
-                if bound is not None:
-                    floor, cost = bound
-                    if receive + cost > free:
-                        park(d, cost, prio, ready, u)
-                        continue
-                    if floor > free:
-                        heappush(wait, (floor, prio, u))
-                        continue
-                heappush(ok, (prio, ready, u))
+                if not held_back(u, d, prio, ready, receive, free):
+                    heappush(ok, (prio, ready, u))
             if ok:
                 heap, (prio, ready, u) = ok, ok[0]
             elif parked and (not wait or receive + parked[0][0] < wait[0][0]):
@@ -270,15 +279,9 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
                 continue
             key = u * num_devices + d
             if confirmed[key] != epoch:
-                if heap is ok:
-                    bound = receive_bound(u, d)
-                    if bound is not None and (receive + bound[1] > free or bound[0] > free):
-                        heappop(ok)  # it cannot start when d is free
-                        if receive + bound[1] > free:
-                            park(d, bound[1], prio, ready, u)
-                        else:
-                            heappush(wait, (bound[0], prio, u))
-                        continue
+                if heap is ok and held_back(u, d, prio, ready, receive, free):
+                    heappop(ok)  # it cannot start when d is free
+                    continue
                 confirmed[key] = epoch
                 now_ready = data_ready_us(u, d)
                 if now_ready > ready + _EPS_US:  # a link got busier since the estimate

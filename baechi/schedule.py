@@ -439,8 +439,8 @@ class ScheduleBuilder:
     def receive_bound(self, u: int, d: int) -> tuple[float, float] | None:
         """``(floor_us, cost_us)`` with ``data_ready_us(u, d) >= max(floor_us,
         receive_free_us(d) + cost_us)``, at the cost of one look-up, for a (unit, device)
-        whose inputs ``data_ready_us`` keeps (asked ``again``, no copy of an input reached
-        ``d`` since; else None). Under contention every send into ``d`` queues on ``d``'s one
+        whose inputs ``data_ready_us`` keeps (asked before, no copy of an input reached ``d``
+        since; else None). Under contention every send into ``d`` queues on ``d``'s one
         channel: the inputs are there no earlier than that channel is free, or the first
         tensor, plus all the sends' costs. m-ETF tests it before asking again: when links
         contend, nine in ten estimates that go stale do so because ``d``'s channel got busier,

@@ -259,7 +259,8 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         points = []
         # Orders are traced as the search asks for them (``TracedOrders``); the first is the
         # profile's traced step, calibrated here.
-        models = TracedOrders(item, profile, PLAN_ORDERS, sessions, first=traced[0])
+        models = TracedOrders(item, profile, PLAN_ORDERS, sessions, first=traced[0],
+                              num_cpu_devices=num_cpu_devices)
         with times.stage("trace_orders"):
             models[0]                             # the first order every round plans
         # The same for every round of planning.

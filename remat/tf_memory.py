@@ -219,12 +219,15 @@ class TracedOrders(collections.abc.Sequence):
     graph built once: a search that stops at its first plan (``remat.pipeline.
     ORDER_SEARCH_SLACK``) traces one step, not ``count`` (six traced steps took 6 s of
     ``keras.applications.ResNet50``'s ``optimize``, 2026-12-06). ``first``: a step already
-    traced in that session (the profile's, ``remat.measure.measure_step``'s
-    ``on_traced_step``), taken as the first order instead of tracing one."""
+    traced in that session (``session_config(num_cpu_devices)``: the profile's,
+    ``remat.measure.measure_step``'s ``on_traced_step``), taken as the first order instead of
+    tracing one."""
 
     def __init__(self, item: GraphItem, profile: Profile | None, count: int,
-                 sessions: OpenSessions | None = None, first: StepTrace | None = None):
+                 sessions: OpenSessions | None = None, first: StepTrace | None = None,
+                 num_cpu_devices: int = 1):
         self._item, self._profile, self._count, self._sessions = item, profile, count, sessions
+        self._num_cpu_devices = num_cpu_devices
         self._base: CostGraph | None = None
         self._models: list[MemoryModel] = []
         self._traces = [] if first is None else [first]
@@ -245,6 +248,7 @@ class TracedOrders(collections.abc.Sequence):
         while len(self._models) <= index:
             if len(self._traces) <= len(self._models):
                 self._traces += trace_steps(self._item, warmup=0 if self._traces else 1,
+                                            num_cpu_devices=self._num_cpu_devices,
                                             sessions=self._sessions)
             self._models.append(_calibrated(self._base, self._traces[len(self._models)]))
         return self._models[index]
