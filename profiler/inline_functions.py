@@ -9,12 +9,20 @@ by its body, as Grappler's function optimizer does when it inlines:
 
 - a body node ``n`` becomes ``<call>/n``; the function's arguments are wired to the call's
   inputs, and every body node waits for the call's control inputs;
-- the call keeps its name and outputs as an ``IdentityN`` of the body's results that waits
-  for every body node, so readers of ``<call>:k`` and ``^<call>`` (the step's control outputs)
-  need no rewiring, and the call still ends when its whole body has run;
+- a reader of ``<call>:k`` reads the body's ``k``-th result itself, so each result is ready
+  as soon as the body made it, as after Grappler's inlining; the call keeps its name as a
+  ``NoOp`` that waits for every body node, so readers of ``^<call>`` (the step's control
+  outputs) need no rewiring and still wait for the whole body. An ``IdentityN`` of the results
+  in the call's place (the first version) made every reader wait for every result: the
+  backward pass of ``keras.applications.ConvNeXtTiny`` (64x64, batch 4) waited at each
+  depthwise convolution for its filter gradient, the slowest op of the step, before the next
+  layer's input gradient could start, and under the project's session configuration
+  (Grappler's dependency optimizer off, so nothing relaxed it) the step took 1.08-1.26x the
+  user's (2026-12-07, ``bench/RESULTS.md``);
 - a call that reads the backward pass is the gradient of a nested function: its body and its
-  ``IdentityN`` go under the ``gradient_tape/`` scope, where ``profiler.tf_function`` looks for
-  gradients (the tensors of that scope read outside it), and its readers are rewired to it.
+  ``NoOp`` go under the ``gradient_tape/`` scope, where ``profiler.tf_function`` looks for
+  gradients (the tensors of that scope read outside it), and its control readers are rewired
+  to it.
 
 Calls inside bodies are inlined in turn. Other function-valued attributes (``If``/``Case``
 branches, loop bodies, which ``profiler.unroll_loops`` handles) are left as they are.
@@ -40,9 +48,9 @@ def _node_of(tensor: str) -> str:
 
 
 def _body(call: node_def_pb2.NodeDef, library: dict, backward: bool
-          ) -> list[node_def_pb2.NodeDef]:
-    """The nodes that replace ``call``: its function's body, renamed under the call, then the
-    call itself as an ``IdentityN`` (or ``NoOp``) of the results."""
+          ) -> tuple[list[node_def_pb2.NodeDef], list[str]]:
+    """The nodes that replace ``call`` (its function's body, renamed under the call, then the
+    call itself as a ``NoOp`` that waits for the body) and the tensors of its results."""
     fdef = library[call.attr["f"].func.name]
     body, flat_name = function_def_to_graph_def(fdef)
     prefix = ("gradient_tape/" if backward and not _BACKWARD_SCOPE.search(call.name) else "") \
@@ -76,17 +84,19 @@ def _body(call: node_def_pb2.NodeDef, library: dict, backward: bool
     for arg in fdef.signature.output_arg:
         ret = fdef.ret[arg.name]
         results.append(args[ret] if ret in args else renamed(flat_name.get(ret, ret)))
-    end = node_def_pb2.NodeDef(name=prefix.rstrip("/"), op="IdentityN" if results else "NoOp")
-    if results:
-        end.attr["T"].list.type.extend(call.attr["Tout"].list.type)
-    end.input.extend(results + [f"^{n.name}" for n in nodes] + controls)
-    return nodes + [end]
+    end = node_def_pb2.NodeDef(name=prefix.rstrip("/"), op="NoOp")
+    end.input.extend([f"^{n.name}" for n in nodes] + controls)
+    return nodes + [end], results
 
 
-def _rewired(node: node_def_pb2.NodeDef, moved: dict[str, str]) -> node_def_pb2.NodeDef:
-    """A copy of ``node`` reading the moved nodes under their new names."""
+def _rewired(node: node_def_pb2.NodeDef, results: dict[str, list[str]], moved: dict[str, str]
+             ) -> node_def_pb2.NodeDef:
+    """A copy of ``node`` reading the results of inlined calls instead of the calls, and
+    waiting for the moved calls under their new names."""
     def new(tensor: str) -> str:
         name = _node_of(tensor)
+        if not tensor.startswith("^") and name in results:
+            return results[name][int(tensor.partition(":")[2] or 0)]
         return tensor.replace(name, moved[name], 1) if name in moved else tensor
 
     rewired = node_def_pb2.NodeDef()
@@ -116,11 +126,12 @@ def inline_functions(graph_def: graph_pb2.GraphDef) -> tuple[graph_pb2.GraphDef,
         if not any(node.op in CALL_OPS for node in graph_def.node):
             break
         backward: set[str] = set()
-        moved: dict[str, str] = {}     # a backward call's name -> its IdentityN's
+        results: dict[str, list[str]] = {}   # a call's name -> the tensors of its results
+        moved: dict[str, str] = {}           # a backward call's name -> its NoOp's
         nodes = []
         for node in graph_def.node:
-            if moved and any(_node_of(i) in moved for i in node.input):
-                node = _rewired(node, moved)
+            if any(_node_of(i) in results for i in node.input):
+                node = _rewired(node, results, moved)
             reads_backward = any(_node_of(i) in backward for i in node.input
                                  if not i.startswith("^"))
             if _BACKWARD_SCOPE.search(node.name) or reads_backward and node.op in CALL_OPS:
@@ -128,7 +139,7 @@ def inline_functions(graph_def: graph_pb2.GraphDef) -> tuple[graph_pb2.GraphDef,
             if node.op not in CALL_OPS:
                 nodes.append(node)
                 continue
-            body = _body(node, library, node.name in backward)
+            body, results[node.name] = _body(node, library, node.name in backward)
             if node.name in backward:
                 backward.update(n.name for n in body)
                 moved[node.name] = body[-1].name

@@ -434,7 +434,8 @@ def lower_plan(item: GraphItem, model: "MemoryModel", planned: RematPlan, baseli
     plan.stats["recomputed_ops"] = plan.recomputed_ops(model.cost_graph)
     plan.stats["side_by_side_events"] = len(floats)
     rewritten = rewrite(item, model.cost_graph, plan,
-                        floating=expanded_positions(model.members, planned, floats))
+                        floating=expanded_positions(model.members, planned, floats),
+                        float_updates=side_by_side)
     if step_traces is not None:
         head = chain_head(model.cost_graph.names, plan, rewritten.config["remat"]["pinned_from"])
         plan.stats["step_time"] = predict_step_time(

@@ -109,6 +109,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
 
 from graphfit.errors import GraphfitError
 from graphfit.models.graph_item import GraphItem
@@ -118,6 +119,7 @@ from graphfit.remat.plan import COMPUTE, FREE, RECOMPUTE, RematPlan
 from graphfit.profiler.session import EXACT_GRAPH, session_config
 from graphfit.profiler.trace import step_fetches
 from graphfit.profiler.graph_def_walk import GraphDefPassError, topological_order
+from graphfit.remat.early_updates import VARIABLE_WRITE_OP_TYPES
 from graphfit.remat.grappler_pins import repin_removed_anchors
 from graphfit.remat.recompute_graph import clone_name
 from graphfit.profiler.pow_conversions import keep_pow_conversions
@@ -136,7 +138,8 @@ REGROUPED_OP_TYPES = frozenset({"Mul", "Add", "AddV2"})
 # Ops that stay pinned where events float: the regrouped ones, and those oneDNN's pass may
 # merge (a floating pair of them made a Keras ResNet-style step fail with `Retval[0] does not
 # have value` in one CI run with oneDNN on; pinned, as in the strict chain, they never did).
-NEVER_FLOATING_OP_TYPES = REGROUPED_OP_TYPES | {t for pair in FUSABLE_PAIRS for t in pair[:2]}
+FUSABLE_OP_TYPES = frozenset(t for pair in FUSABLE_PAIRS for t in pair[:2])
+NEVER_FLOATING_OP_TYPES = REGROUPED_OP_TYPES | FUSABLE_OP_TYPES
 
 
 class RematRewriteError(GraphfitError, ValueError):
@@ -415,9 +418,37 @@ def _hold_floating_chains(chains: "Iterable[list[tuple[tf.compat.v1.NodeDef, boo
     return added
 
 
+def update_math(graph_def: tf.compat.v1.GraphDef) -> set[str]:
+    """The nodes whose every reader is a variable write or another such node: an optimizer's
+    arithmetic on a gradient (Adam's moments and step, SGD's scaled gradient) and gradients
+    that only it reads. Stateful nodes (variable reads among them) never are.
+
+    Such a node may run as soon as its inputs exist, like a floating event, whatever the
+    floating bound says (``rewrite``'s ``float_updates``): its output is a variable's size
+    and lives only until the pinned write, and in a chain the optimizer's arithmetic runs
+    one op at a time beside nothing. Unpinning the 1,778 such ops of keras-hub GPT-2's
+    strict chain at 0.5 took its step from 1.175 to 1.148 of the planned step for +1 MiB
+    (0.9%) of its records (2026-12-07, ``bench/RESULTS.md``)."""
+    readers: dict[str, list[str]] = collections.defaultdict(list)
+    nodes = {node.name: node for node in graph_def.node}
+    for node in graph_def.node:
+        for name in node.input:
+            if not name.startswith("^"):
+                readers[_split_input(name)[0]].append(node.name)
+    found: set[str] = set()
+    for name in reversed(topological_order(graph_def)):
+        node = nodes[name]
+        op_def = op_def_registry.get(node.op)
+        if op_def is None or op_def.is_stateful or not node.input or name not in readers:
+            continue
+        if all(nodes[r].op in VARIABLE_WRITE_OP_TYPES or r in found for r in readers[name]):
+            found.add(name)
+    return found
+
+
 def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
-            pin_order: str = "tail", floating: "Mapping[int, int]" = MappingProxyType({})
-            ) -> GraphItem:
+            pin_order: str = "tail", floating: "Mapping[int, int]" = MappingProxyType({}),
+            float_updates: bool = False) -> GraphItem:
     """A new training step that executes ``plan`` (the original ``item`` is left untouched).
 
     Parameters:
@@ -435,6 +466,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             an op alone): such a node gets no pin, and every pinned node waits for the latest
             pinned event and each floating event since. A floating op of a chain also waits
             for every input of its chain (``_hold_floating_chains``).
+        float_updates: the optimizer's arithmetic (``update_math``) floats too, joined as a
+            floating event is.
 
     Returns:
         A ``GraphItem`` on a fresh ``tf.Graph`` with the same fetch, feed and init names;
@@ -470,6 +503,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     anchors: dict[str, list[str]] = {}  # pinned node -> the nodes it must run after
     events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, floated
     chains: dict[int, list] = collections.defaultdict(list)  # first position -> (node, floats)
+    updates = update_math(graph_def) if float_updates else frozenset()
+    updates_floating = 0
 
     def newest(producer: str, suffix: str) -> str:
         # What a read of ``producer`` + ``suffix`` reads now (see "Rewiring" above). A clone
@@ -525,7 +560,10 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # A source node (no inputs: a variable's handle, a constant) is never held back:
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
-        floats = pinning and position in floating and node.op not in NEVER_FLOATING_OP_TYPES
+        # The optimizer's arithmetic is regrouped only with itself, as it floats whole.
+        floats = pinning and (position in floating and node.op not in NEVER_FLOATING_OP_TYPES
+                              or node.name in updates and node.op not in FUSABLE_OP_TYPES)
+        updates_floating += floats and node.name in updates
         if not floats and (event.kind == RECOMPUTE or (
                 pin_order != "clones" and pinning and previous is not None and node.input)):
             waits_for = anchors[node.name] = _join_anchors(events_run)
@@ -561,6 +599,7 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
                                   "unfused_pairs": unfused,
                                   "remapper_groups_freed": fusions["freed"],
                                   "pows_gated": pows_gated,
+                                  "updates_floating": updates_floating,
                                   "pinned_from": pinned_from if pin_order != "clones" else None,
                                   "method": plan.method},
                         EXACT_GRAPH: True}

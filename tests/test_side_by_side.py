@@ -194,6 +194,35 @@ def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
     compare_steps(item, chained).check()
 
 
+def test_the_optimizers_arithmetic_floats_and_is_joined():
+    """With ``float_updates`` what only feeds variable updates (here the weight gradients,
+    read only by the optimizer) runs as soon as its inputs exist, and the next pinned event
+    still waits for it; variable reads and updates keep their pins."""
+    from graphfit.profiler.tf_import import cost_graph_from_graph
+    from graphfit.profiler.step_compare import compare_steps
+    from graphfit.remat.rewrite import rewrite, update_math
+
+    item = models.build("mlp", preset="tiny")
+    graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+    relu = graph.index["layer_0/Relu"]
+    plan = plan_from_schedule(graph, list(range(graph.num_ops)) + [relu], None, "hand")
+    math = update_math(item.graph.as_graph_def())
+    op = "gradients/logits/MatMul_grad/MatMul_1"
+    assert op in math and "gradients/logits/MatMul_grad/MatMul" not in math
+    assert not {o.name for o in item.graph.get_operations() if o.op_def.is_stateful} & math
+    strict = rewrite(item, graph, plan)
+    floating = rewrite(item, graph, plan, float_updates=True)
+    assert strict.graph.get_operation_by_name(op).control_inputs
+    assert not floating.graph.get_operation_by_name(op).control_inputs
+    assert floating.config["remat"]["updates_floating"] >= 2          # both layers' weights
+    position = next(p for p, e in enumerate(plan.events) if e == (COMPUTE, graph.index[op]))
+    following = next(graph.names[e.index] for e in plan.events[position + 1:]
+                     if e.kind != FREE and graph.names[e.index] not in math)
+    after = floating.graph.get_operation_by_name(following)
+    assert op in ({c.name for c in after.control_inputs} | {t.op.name for t in after.inputs})
+    compare_steps(item, floating).check()
+
+
 def test_an_untouched_step_runs_as_the_user_runs_it():
     from graphfit.pipeline.meta_optimizer import optimize
 

@@ -360,3 +360,31 @@ def test_optimize_rematerializes_a_keras_step_within_its_prediction():
         np.testing.assert_allclose(step(*batch).numpy(), reference_step(*batch).numpy(),
                                    rtol=1e-5)
     _assert_same_state(_state(model, opt), _state(reference_model, reference_opt))
+
+
+def test_an_inlined_calls_results_do_not_wait_for_its_whole_body():
+    """Inlined as Grappler inlines, each result of a nested call is ready once the body made
+    it: the layer before a grouped convolution takes its input gradient without waiting for
+    the convolution's filter gradient (ConvNeXtTiny's step waited so at every depthwise
+    convolution), while a wait for the call (``^call``) still waits for its whole body."""
+    from graphfit.profiler.graph_def_walk import ancestors
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 4))
+    x = keras.layers.Conv2D(4, 1)(inputs)
+    x = keras.layers.Conv2D(4, 3, padding="same", groups=4)(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
+    step = classifier_train_step(model, keras.optimizers.SGD(1e-2))
+    item = graph_item_from_function(
+        step, np.random.default_rng(0).standard_normal((2, 8, 8, 4), dtype=np.float32),
+        np.arange(2) % 3)
+    graph_def = item.graph.as_graph_def()
+    by_op = {n.op: n.name for n in graph_def.node}
+    first_filter_gradient = by_op["Conv2DBackpropFilter"]         # of the 1x1 convolution
+    upstream = ancestors(graph_def, [first_filter_gradient])
+    assert by_op["DepthwiseConv2dNativeBackpropInput"] in upstream
+    assert by_op["DepthwiseConv2dNativeBackpropFilter"] not in upstream
+    calls = {n.name for n in graph_def.node if n.op == "NoOp" and n.name.endswith("PartitionedCall")}
+    assert len(calls) == 2 and not any(i.split(":")[0] in calls for n in graph_def.node
+                                       for i in n.input if not i.startswith("^"))
+    assert by_op["DepthwiseConv2dNativeBackpropFilter"] in ancestors(graph_def, [item.train_op])
