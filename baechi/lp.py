@@ -194,10 +194,11 @@ _SOLVERS = {"highs": _solve_highs, "cvxopt": _solve_cvxopt, "mosek": _solve_mose
 
 def lp_window_units(units: UnitGraph) -> int:
     """How many units one LP window may hold: ``LP_WIDTH_BUDGET`` / the graph's mean width
-    (units per level of the longest path), within [``MIN_LP_WINDOW``, ``MAX_LP_WINDOW``], both
-    counted with each chain as one unit (a chain: units joined by edges whose parent has no
-    other child and whose child no other parent; such an edge is favourite in an optimal
-    solution, HiGHS's presolve removes it, and it costs the simplex nothing).
+    chains, in units at the graph's mean chain length, within [``MIN_LP_WINDOW``,
+    ``MAX_LP_WINDOW``]. The width is counted in chains per level of the longest path, a chain
+    (units joined by edges whose parent has no other child and whose child no other parent)
+    being one unit and one level: such an edge is favourite in an optimal solution, HiGHS's
+    presolve removes it, and it costs the simplex nothing.
 
     The dual simplex's time grows with the window's size times its width: on the layered 2k
     graph with 64-unit layers (2026-12-07, load 5.8) one 2,000-unit window took 1.4-3.6 s,

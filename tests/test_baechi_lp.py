@@ -100,7 +100,7 @@ def test_mosek_without_package_names_alternatives():
 
 def test_wide_graphs_get_smaller_lp_windows():
     # 64 units a level: about 530 units a window; a training step (width about 2): 10,000; a
-    # fork-join graph, 29 units a level but 18 chains, one window for its 3,202 units
+    # fork-join graph, about 29 units but 18 chains a level, one window for its 3,202 units
     wide = _units(synthetic.layered(3000, seed=0, width=64))
     narrow = _units(synthetic.training_like(3000, seed=0))
     chains = _units(synthetic.fork_join(3000, seed=0))
