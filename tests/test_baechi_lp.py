@@ -99,11 +99,14 @@ def test_mosek_without_package_names_alternatives():
 
 
 def test_wide_graphs_get_smaller_lp_windows():
-    # width 256: about 1,000 units a window; a training step (width about 2): 10,000
-    wide = _units(synthetic.layered(3000, seed=0, width=256))
+    # 64 units a level: about 530 units a window; a training step (width about 2): 10,000; a
+    # fork-join graph, about 29 units but 18 chains a level, one window for its 3,202 units
+    wide = _units(synthetic.layered(3000, seed=0, width=64))
     narrow = _units(synthetic.training_like(3000, seed=0))
-    assert 800 <= lp_window_units(wide) <= 1100
+    chains = _units(synthetic.fork_join(3000, seed=0))
+    assert 500 <= lp_window_units(wide) <= 600
     assert lp_window_units(narrow) == 10_000
+    assert lp_window_units(chains) >= chains.num_units
     lp = solve_favourite_lp(wide, LINK)
     assert lp.window_units == lp_window_units(wide) and ((lp.x >= 0) & (lp.x <= 1)).all()
     # edges between windows are fixed as not favourite
