@@ -8,13 +8,14 @@ step is its graph in a session with TF's default configuration, and its rewritte
 a session too (no loss or update comparison beyond the report's).
 
 - the user's step (``classifier_train_step``) is called once to warm up, its variables are
-  saved, and four more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
-  peak minus its bytes in use when the call began: what the step adds; the largest of the
-  four, as the report reads its steps);
+  saved, and more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
+  peak minus its bytes in use when the call began: what the step adds): the largest of
+  ``profiler.trace.PEAK_READINGS`` calls (fewer where they do not spread, ``profiler.trace.
+  added_by_calls``), the statistic the report reads its steps by;
 - ``pipeline.optimize(item, memory_ratio=RATIO)`` (``--ratio``): the report's baseline and
   measured peak (``ruler``: ``allocator`` or ``records``), its resident bytes, the budget;
 - ``to_callable(result.item)`` right after ``optimize``, as the user calls it: one warm-up
-  call, four calls read by the allocator. Not after restoring the saved variables first (as
+  call, then calls read by the allocator as the user's. Not after restoring the saved variables first (as
   until 2026-12-07): assigning every variable anew moves the user's weights in the allocator
   and leaves their old chunks free, and the same rewritten ResNet50 step then added 49.0 MB
   per call against 43.3 MB just before (``remat.measure.measure_step``: the BFC allocator's
@@ -107,14 +108,13 @@ ZOO_MODELS = {
 }
 
 
-def _allocator_readings(call, calls: int = 4) -> list[int] | None:
-    """What each of ``calls`` calls adds by the allocator; the row takes the largest
-    (``remat.measure.measure_step`` reads its steps alike: the peak varies with the order the
-    inter-op threads run the ops, 79-97 MB over 12 calls of ``ResNet50``'s step) and keeps all
-    of them, to show the spread."""
+def _allocator_readings(call) -> list[int] | None:
+    """What each call adds by the allocator, read as the report reads its steps (``profiler.
+    trace.added_by_calls``); the row takes the largest and keeps all of them, to show the
+    spread."""
     from graphfit.profiler.trace import added_by_calls
 
-    readings = added_by_calls(call, calls)
+    readings = added_by_calls(call)
     return None if None in readings else readings
 
 
@@ -234,6 +234,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         # calls it (``remat.measure.measure_step``'s ``traced_from``).
         "report_measured_resident_bytes": rewritten_resident,
         "report_called_added_bytes": remat["measured_called_added_bytes"],
+        "report_baseline_readings": remat["baseline_allocator_readings"],
+        "report_measured_readings": remat["measured_allocator_readings"],
         "allocator_rewritten_step_bytes": (None if rewritten_added is None
                                            else rewritten_resident + rewritten_added),
         "rewritten_step_bytes": rewritten_peak, "rewritten_step_ruler": rewritten_ruler,

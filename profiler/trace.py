@@ -75,11 +75,25 @@ CPU_ALLOCATOR = "CPU:0"
 # With oneDNN on, the CPU allocator's statistics leave out every buffer below this size
 # (module docstring).
 ONEDNN_UNCOUNTED_BYTES = 262144
+# A step's reading by the allocator is the largest of this many steps (``added_by_calls``):
+# one step's moves from one step to the next with the free chunks the steps before left
+# (``keras.applications.ResNet50``, 64x64, batch 8: 73-106 MB added over 24-32 steps; as wide
+# with one inter-op and one intra-op thread, and with oneDNN off). With the resident bytes,
+# the largest of 24-32 read 193-201 MB in 15 series of 5 fresh processes, where the median
+# read 176-191 MB (2026-12-07, ``bench/RESULTS.md``). A GPU runs out of
+# memory at the worst step, so the largest is also the one that says whether a step fits.
+PEAK_READINGS = 24
+# Fewer readings where the first ones do not spread (a rewritten step whose order the rewrite
+# pins: 24 calls of ``ResNet50``'s at half its memory read 41.3 MB each): this many, within
+# this fraction of the largest.
+STEADY_READINGS = 6
+STEADY_SPREAD = 0.02
 
 __all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress",
            "AllocatorPeak", "added_by_calls", "allocator_devices", "default_allocator",
            "uncounted_below_bytes",
-           "traced_peak_bytes", "CPU_ALLOCATOR", "ONEDNN_UNCOUNTED_BYTES"]
+           "traced_peak_bytes", "CPU_ALLOCATOR", "ONEDNN_UNCOUNTED_BYTES", "PEAK_READINGS",
+           "STEADY_READINGS", "STEADY_SPREAD"]
 
 
 def print_progress(message: str) -> None:
@@ -173,19 +187,32 @@ class AllocatorPeak:
             self.added_bytes = peaks[device] - self._start[device]
 
 
-def added_by_calls(call: Callable[[], Any], calls: int, warmup: int = 0,
-                   devices: Iterable[str] | None = None) -> list[int | None]:
-    """What each of ``calls`` calls of ``call`` adds by the allocators of ``devices``
-    (``AllocatorPeak.added_bytes``; ``None`` where they keep no statistics), after ``warmup``
-    calls."""
-    for _ in range(warmup):
-        call()
-    readings = []
-    for _ in range(calls):
+def added_by_calls(call: Callable[[], Any], warmup: int = 0,
+                   devices: Iterable[str] | None = None, readings: int = PEAK_READINGS,
+                   first: Iterable[int | None] = ()) -> list[int | None]:
+    """What each call of ``call`` adds by the allocators of ``devices`` (``AllocatorPeak.
+    added_bytes``; ``None``: they keep no statistics), after ``warmup`` calls: ``first``
+    (readings made already, e.g. of a session's traced steps), then one reading per call
+    until there are ``readings``, or ``STEADY_READINGS`` that spread by at most
+    ``STEADY_SPREAD`` of the largest, or a ``None``. A step's reading is the largest
+    (``PEAK_READINGS``)."""
+    done = list(first)
+    if not _enough(done, readings):
+        for _ in range(warmup):
+            call()
+    while not _enough(done, readings):
         with AllocatorPeak(devices=devices) as allocator:
             call()
-        readings.append(allocator.added_bytes)
-    return readings
+        done.append(allocator.added_bytes)
+    return done
+
+
+def _enough(readings: list[int | None], wanted: int) -> bool:
+    """Whether ``readings`` are enough for their largest to be the step's (``added_by_calls``)."""
+    if len(readings) >= wanted or None in readings:
+        return True
+    return (len(readings) >= STEADY_READINGS
+            and max(readings) - min(readings) <= STEADY_SPREAD * max(readings))
 
 
 def traced_peak_bytes(session: tf.compat.v1.Session, graph: tf.Graph, fetches, feeds) -> int:

@@ -224,6 +224,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                                            session_config)
     from graphfit.profiler.step_compare import WeightCheck, run_reference
     from graphfit.remat.early_updates import order_updates_after_reads
+    from graphfit.profiler.trace import PEAK_READINGS
     from graphfit.remat.measure import compare_rewrite, measure_step, read_calls
     from graphfit.remat.step_time import trace_for_prediction
     from graphfit.remat.tf_memory import StepTrace, TracedOrders, step_trace
@@ -236,8 +237,10 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
         times = StageTimes(None if progress is None else lambda stage, seconds: progress(
             f"remat: {STAGE_TITLES[stage]} ({seconds:.0f} s)"))
         with times.stage("measure_user_step"):
+            # The largest of ``PEAK_READINGS`` steps: one step's reading moves by more than
+            # the budget's tolerance from one step to the next (``profiler.trace``).
             baseline = measure_step(original, warmup=1, num_cpu_devices=num_cpu_devices,
-                                    sessions=sessions)
+                                    sessions=sessions, readings=PEAK_READINGS)
         budget = int(budget_bytes if budget_bytes is not None
                      else ratio_budget(baseline.peak_bytes, baseline.resident_bytes,
                                        budget_ratio))
