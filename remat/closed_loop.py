@@ -340,7 +340,9 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                         not floating or _records_as_planned(measured, plan.peak_bytes)):
                     # Read as the user calls it only a step that fits by its session steps,
                     # and that is kept if it still fits: the calls can only read more (4-6 s
-                    # a round on ``keras.applications.ResNet50``, 2026-12-07).
+                    # a round on ``keras.applications.ResNet50`` with 2 calls read, 2026-12-07;
+                    # its rewritten step's calls agree, so 6 are read, ``profiler.trace.
+                    # added_by_calls``).
                     measured = read_calls(measured, rewritten, original)
             details.update(measured_peak_bytes=measured.peak_bytes,
                            measured_records_peak_bytes=measured.records_peak_bytes,
