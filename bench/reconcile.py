@@ -9,9 +9,10 @@ a session too (no loss or update comparison beyond the report's).
 
 - the user's step (``classifier_train_step``) is called once to warm up, its variables are
   saved, and more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
-  peak minus its bytes in use when the call began: what the step adds): the largest of
-  ``profiler.trace.PEAK_READINGS`` calls (fewer where they do not spread, ``profiler.trace.
-  added_by_calls``), the statistic the report reads its steps by;
+  peak minus its bytes in use when the call began: what the step adds) over ``profiler.trace.
+  PEAK_READINGS`` calls (fewer where they do not spread, ``profiler.trace.added_by_calls``),
+  their ``profiler.trace.peak_reading`` (a high quantile), the statistic the report reads its
+  steps by;
 - ``pipeline.optimize(item, memory_ratio=RATIO)`` (``--ratio``): the report's baseline and
   measured peak (``ruler``: ``allocator`` or ``records``), its resident bytes, the budget;
 - ``to_callable(result.item)`` right after ``optimize``, as the user calls it: one warm-up
@@ -110,8 +111,8 @@ ZOO_MODELS = {
 
 def _allocator_readings(call) -> list[int] | None:
     """What each call adds by the allocator, read as the report reads its steps (``profiler.
-    trace.added_by_calls``); the row takes the largest and keeps all of them, to show the
-    spread."""
+    trace.added_by_calls``); the row reads their ``peak_reading`` and keeps all of them, to
+    show the spread."""
     from graphfit.profiler.trace import added_by_calls
 
     readings = added_by_calls(call)
@@ -157,7 +158,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
     from graphfit.pipeline import optimize
     from graphfit.profiler.session import onednn_enabled
     from graphfit.profiler.tf_function import to_callable
-    from graphfit.profiler.trace import default_allocator, uncounted_below_bytes
+    from graphfit.profiler.trace import default_allocator, peak_reading, uncounted_below_bytes
     from graphfit.remat.measure import step_peak
 
     if name in ZOO_MODELS:
@@ -174,7 +175,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
 
     user_step()
     user_readings = _allocator_readings(user_step)
-    user_added = user_readings and max(user_readings)
+    user_added = user_readings and peak_reading(user_readings)
     result = optimize(item, memory_ratio=ratio, progress=None)
     remat = result.report()["remat"]
     if variables:
@@ -184,7 +185,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         step = _session_step(result.item)
     step()
     rewritten_readings = _allocator_readings(step)
-    rewritten_added = rewritten_readings and max(rewritten_readings)
+    rewritten_added = rewritten_readings and peak_reading(rewritten_readings)
     row = {}
     if variables:       # the user's own step against the rewritten one, from the same weights
         losses, after = {}, {}
