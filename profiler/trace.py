@@ -77,18 +77,19 @@ CPU_ALLOCATOR = "CPU:0"
 # (module docstring).
 ONEDNN_UNCOUNTED_BYTES = 262144
 # A step's reading by the allocator is ``peak_reading`` of this many steps' readings
-# (``added_by_calls``): the nearest-rank ``PEAK_QUANTILE``, of 16 readings the 2nd largest.
+# (``added_by_calls``): the nearest-rank ``PEAK_QUANTILE``, of 12-19 readings the 2nd largest.
 # One step's reading moves from one step to the next with the free chunks the steps before left
 # (``keras.applications.ResNet50``, 64x64, batch 8: 73-106 MB added over 552 steps of 10 fresh
 # processes, as widely with one inter-op and one intra-op thread, and with oneDNN off), more
 # than the 5% a baseline is held to. Over 21 series of 24-32 steps in 11 processes, with the
 # resident bytes, the 90th percentile read 186.6-195.6 MB (1.5% standard deviation), the
 # largest 187.2-203.9 MB, and one series held a single step of 145 MB: the largest is at the
-# mercy of one step, the median of where the body sits (176-191 MB). Cut into 53 series of 16,
-# the 90th percentile moved by 1.7%, the largest by 3.7%; 16 calls cost 3-4 s of ``optimize``
-# where 32 cost 7-8 s. A high quantile is also what a user's worst steps run out of memory at
-# (2026-12-07, ``bench/RESULTS.md``).
-PEAK_READINGS = 16
+# mercy of one step, the median of where the body sits (176-191 MB). Cut into 64 series of 12,
+# the 90th percentile moved by 1.8%, the largest by 3.5%: few readings cost little, since
+# every reading is a step (the user's 16 calls of ResNet50's step added 7 s to ``optimize``,
+# 32 calls 8-12 s, at a load average of 2-4). A high quantile is also what a user's worst
+# steps run out of memory at (2026-12-07, ``bench/RESULTS.md``).
+PEAK_READINGS = 12
 PEAK_QUANTILE = 0.9
 # Fewer readings where the first ones do not spread (a rewritten step whose order the rewrite
 # pins: 24 calls of ``ResNet50``'s at half its memory read 41.3 MB each): this many, within
