@@ -223,8 +223,8 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
     from graphfit.profiler.session import (OpenSessions, failing_step, make_session,
                                            session_config)
     from graphfit.profiler.step_compare import WeightCheck, run_reference
-    from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.profiler.trace import PEAK_READINGS
+    from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import compare_rewrite, measure_step, read_calls
     from graphfit.remat.step_time import trace_for_prediction
     from graphfit.remat.tf_memory import StepTrace, TracedOrders, step_trace
