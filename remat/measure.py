@@ -80,7 +80,8 @@ class StepMeasurement:
         allocator_added_bytes: the allocator's reading (``None``: no statistics): the
             ``profiler.trace.peak_reading`` of ``allocator_readings``.
         allocator_readings: what each step read added by the allocator: the session's
-            steps, then the calls (``called_added_bytes``).
+            steps (unless the calls alone read the step, ``read_calls``), then the calls
+            (``called_added_bytes``).
         step_time_us: median time of the untraced steps.
         profile: the full profile (per-op costs) of the step.
         called_added_bytes: what the step added by the allocator called as the user calls a
@@ -126,8 +127,9 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     is a traced ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps
     statistics, ``item`` is also read as the user then calls it (``to_callable``, on copies
     of the user's variables: ``profiler.tf_function.on_variable_copies``): ``warmup`` calls,
-    then up to ``profiler.trace.PEAK_READINGS`` read (``read_calls``). Such calls of the user's
-    own step read as the user's calls do (``keras.applications.ResNet50``, 64x64, batch 8: 90th
+    then up to ``profiler.trace.PEAK_READINGS`` read (``read_calls``). The user's own step
+    (``traced_from`` is ``item``) is then read by its calls alone, as the user calls it; calls
+    of it read as the user's calls do (``keras.applications.ResNet50``, 64x64, batch 8: 90th
     percentiles of 98.4 and 98.5 MB over 32 calls against 97.3 and 98.4 MB for the user's,
     where a session's steps read 3 MB more in the body, 2026-12-07). The two ways of running
     one step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD)
@@ -161,20 +163,25 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
         peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
         step_time_us=statistics.median(times), profile=profile, allocator_readings=read)
-    return measured if traced_from is None else read_calls(measured, item, traced_from, warmup)
+    return (measured if traced_from is None
+            else read_calls(measured, item, traced_from, warmup,
+                            with_session=item is not traced_from))
 
 
 def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphItem,
-               warmup: int = 1) -> StepMeasurement:
+               warmup: int = 1, with_session: bool = True) -> StepMeasurement:
     """``measured`` (``item``'s session steps) with ``item`` also read as the user calls it,
     when ``traced_from`` is a traced ``tf.function`` and the allocator keeps statistics
     (``measure_step``'s ``traced_from``): read by the ``peak_reading`` of the session's steps
-    and the calls together; as it is otherwise."""
+    and the calls together, or of the calls alone (not ``with_session``: the user's own
+    step, which the user only calls; a session's steps read it 3 MB higher in the body on
+    ``keras.applications.ResNet50``, and more readings a higher quantile); as it is
+    otherwise."""
     allocators = measured.profile.metadata["allocator_devices"]
     if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
         return measured
     calls = added_by_calls(on_variable_copies(item, traced_from), warmup, allocators)
-    readings = measured.allocator_readings + calls
+    readings = (measured.allocator_readings if with_session else []) + calls
     added = peak_reading(readings)
     peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,
                             allocators)
