@@ -78,7 +78,8 @@ class StepMeasurement:
             (optimizer slots included), kernels' persistent buffers, fed tensors.
         records_peak_bytes: the peak replayed from the allocation records of a traced step.
         allocator_added_bytes: the allocator's reading (``None``: no statistics): the
-            ``profiler.trace.peak_reading`` of ``allocator_readings``.
+            ``profiler.trace.peak_reading`` of the session's steps, or as ``read_calls``
+            reads the step with its calls.
         allocator_readings: what each step read added by the allocator: the session's
             steps (unless the calls alone read the step, ``read_calls``), then the calls
             (``called_added_bytes``).
@@ -172,23 +173,23 @@ def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphIte
                warmup: int = 1, with_session: bool = True) -> StepMeasurement:
     """``measured`` (``item``'s session steps) with ``item`` also read as the user calls it,
     when ``traced_from`` is a traced ``tf.function`` and the allocator keeps statistics
-    (``measure_step``'s ``traced_from``): read by the ``peak_reading`` of the session's steps
-    and the calls together, or of the calls alone (not ``with_session``: the user's own
-    step, which the user only calls; a session's steps read it 3 MB higher in the body on
-    ``keras.applications.ResNet50``, and more readings a higher quantile); as it is
-    otherwise."""
+    (``measure_step``'s ``traced_from``): read by the larger of the session's steps' and the
+    calls' ``peak_reading``, the two ways a rewritten step may run; or by the calls' alone
+    (not ``with_session``: the user's own step, which the user calls; a session's steps read
+    it 3 MB higher in the body on ``keras.applications.ResNet50``, and their readings with
+    the calls' made a higher quantile than the user's calls alone); as it is otherwise."""
     allocators = measured.profile.metadata["allocator_devices"]
     if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
         return measured
     calls = added_by_calls(on_variable_copies(item, traced_from), warmup, allocators)
-    readings = (measured.allocator_readings if with_session else []) + calls
-    added = peak_reading(readings)
+    called = peak_reading(calls)
+    added = max(measured.allocator_added_bytes, called) if with_session else called
     peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,
                             allocators)
     return dataclasses.replace(measured, peak_bytes=peak, ruler=ruler,
-                               allocator_added_bytes=added,
-                               called_added_bytes=peak_reading(calls),
-                               allocator_readings=readings)
+                               allocator_added_bytes=added, called_added_bytes=called,
+                               allocator_readings=(measured.allocator_readings
+                                                   if with_session else []) + calls)
 
 
 def step_peak(resident_bytes: int, allocator_added_bytes: int | None, records_peak_bytes: int,
