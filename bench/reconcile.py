@@ -19,11 +19,11 @@ a session too (no loss or update comparison beyond the report's).
   call, then calls read by the allocator as the user's. Not after restoring the saved
   variables first (as until 2026-12-07): assigning every variable anew moves the user's
   weights in the allocator and leaves their old chunks free, and the same rewritten ResNet50
-  step then added 49.0 MB per call against 43.3 MB just before (``remat.measure.measure_step``: the BFC allocator's
-  reading depends on the free chunks earlier work left). Then, from the saved variables,
-  one call of each step: the losses and every variable after the step (for SGD the update is
-  ``lr * gradient``), compared with the user's: loss relative difference, largest update
-  difference over the largest update.
+  step then added 49.0 MB per call against 43.3 MB just before (``remat.measure.
+  measure_step``: the BFC allocator's reading depends on the free chunks earlier work left).
+  Then, from the saved variables, one call of each step: the losses and every variable after
+  the step (for SGD the update is ``lr * gradient``), compared with the user's: loss relative
+  difference, largest update difference over the largest update.
 
 Peaks are compared on one basis: the resident bytes the report counts from the graph plus what
 the allocator says the step adds (the allocator does not see every resident weight: eager

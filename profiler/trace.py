@@ -86,9 +86,10 @@ ONEDNN_UNCOUNTED_BYTES = 262144
 # largest 187.2-203.9 MB, and one series held a single step of 145 MB: the largest is at the
 # mercy of one step, the median of where the body sits (176-191 MB). Cut into 64 series of 12,
 # the 90th percentile moved by 1.8%, the largest by 3.5%: few readings cost little, since
-# every reading is a step (16 calls of ResNet50's step made ``optimize``'s first stage 7-8 s
-# longer, 32 calls 9-12 s, at a load average of 2-4). A high quantile is also what a user's worst
-# steps run out of memory at (2026-12-07, ``bench/RESULTS.md``).
+# every reading is a step (12 calls of ResNet50's step made ``optimize``'s first stage 4.3-4.8 s
+# longer at a load average of 1.8; 16 calls 7-8 s and 32 calls 9-12 s at 2-4). A high
+# quantile is also what a user's worst steps run out of memory at (2026-12-07,
+# ``bench/RESULTS.md``).
 PEAK_READINGS = 12
 PEAK_QUANTILE = 0.9
 # Fewer readings where the first ones do not spread (a rewritten step whose order the rewrite
