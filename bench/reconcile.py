@@ -8,20 +8,22 @@ step is its graph in a session with TF's default configuration, and its rewritte
 a session too (no loss or update comparison beyond the report's).
 
 - the user's step (``classifier_train_step``) is called once to warm up, its variables are
-  saved, and four more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
-  peak minus its bytes in use when the call began: what the step adds; the largest of the
-  four, as the report reads its steps);
+  saved, and more calls are read by the allocator (``profiler.trace.AllocatorPeak``: its
+  peak minus its bytes in use when the call began: what the step adds) over ``profiler.trace.
+  PEAK_READINGS`` calls (fewer where they do not spread, ``profiler.trace.added_by_calls``),
+  their ``profiler.trace.peak_reading`` (a high quantile), the statistic the report reads its
+  steps by;
 - ``pipeline.optimize(item, memory_ratio=RATIO)`` (``--ratio``): the report's baseline and
   measured peak (``ruler``: ``allocator`` or ``records``), its resident bytes, the budget;
 - ``to_callable(result.item)`` right after ``optimize``, as the user calls it: one warm-up
-  call, four calls read by the allocator. Not after restoring the saved variables first (as
-  until 2026-12-07): assigning every variable anew moves the user's weights in the allocator
-  and leaves their old chunks free, and the same rewritten ResNet50 step then added 49.0 MB
-  per call against 43.3 MB just before (``remat.measure.measure_step``: the BFC allocator's
-  reading depends on the free chunks earlier work left). Then, from the saved variables,
-  one call of each step: the losses and every variable after the step (for SGD the update is
-  ``lr * gradient``), compared with the user's: loss relative difference, largest update
-  difference over the largest update.
+  call, then calls read by the allocator as the user's. Not after restoring the saved
+  variables first (as until 2026-12-07): assigning every variable anew moves the user's
+  weights in the allocator and leaves their old chunks free, and the same rewritten ResNet50
+  step then added 49.0 MB per call against 43.3 MB just before (``remat.measure.
+  measure_step``: the BFC allocator's reading depends on the free chunks earlier work left).
+  Then, from the saved variables, one call of each step: the losses and every variable after
+  the step (for SGD the update is ``lr * gradient``), compared with the user's: loss relative
+  difference, largest update difference over the largest update.
 
 Peaks are compared on one basis: the resident bytes the report counts from the graph plus what
 the allocator says the step adds (the allocator does not see every resident weight: eager
@@ -107,14 +109,13 @@ ZOO_MODELS = {
 }
 
 
-def _allocator_readings(call, calls: int = 4) -> list[int] | None:
-    """What each of ``calls`` calls adds by the allocator; the row takes the largest
-    (``remat.measure.measure_step`` reads its steps alike: the peak varies with the order the
-    inter-op threads run the ops, 79-97 MB over 12 calls of ``ResNet50``'s step) and keeps all
-    of them, to show the spread."""
+def _allocator_readings(call) -> list[int] | None:
+    """What each call adds by the allocator, read as the report reads its steps (``profiler.
+    trace.added_by_calls``); the row reads their ``peak_reading`` and keeps all of them, to
+    show the spread."""
     from graphfit.profiler.trace import added_by_calls
 
-    readings = added_by_calls(call, calls)
+    readings = added_by_calls(call)
     return None if None in readings else readings
 
 
@@ -157,7 +158,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
     from graphfit.pipeline import optimize
     from graphfit.profiler.session import onednn_enabled
     from graphfit.profiler.tf_function import to_callable
-    from graphfit.profiler.trace import default_allocator, uncounted_below_bytes
+    from graphfit.profiler.trace import default_allocator, peak_reading, uncounted_below_bytes
     from graphfit.remat.measure import step_peak
 
     if name in ZOO_MODELS:
@@ -174,7 +175,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
 
     user_step()
     user_readings = _allocator_readings(user_step)
-    user_added = user_readings and max(user_readings)
+    user_added = user_readings and peak_reading(user_readings)
     result = optimize(item, memory_ratio=ratio, progress=None)
     remat = result.report()["remat"]
     if variables:
@@ -184,7 +185,7 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         step = _session_step(result.item)
     step()
     rewritten_readings = _allocator_readings(step)
-    rewritten_added = rewritten_readings and max(rewritten_readings)
+    rewritten_added = rewritten_readings and peak_reading(rewritten_readings)
     row = {}
     if variables:       # the user's own step against the rewritten one, from the same weights
         losses, after = {}, {}
@@ -234,6 +235,8 @@ def reconcile(name: str, ratio: float = RATIO) -> dict:
         # calls it (``remat.measure.measure_step``'s ``traced_from``).
         "report_measured_resident_bytes": rewritten_resident,
         "report_called_added_bytes": remat["measured_called_added_bytes"],
+        "report_baseline_readings": remat["baseline_allocator_readings"],
+        "report_measured_readings": remat["measured_allocator_readings"],
         "allocator_rewritten_step_bytes": (None if rewritten_added is None
                                            else rewritten_resident + rewritten_added),
         "rewritten_step_bytes": rewritten_peak, "rewritten_step_ruler": rewritten_ruler,

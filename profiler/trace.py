@@ -53,11 +53,12 @@ ops and are ignored; fed placeholders are costed exactly from their feeds.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,11 +76,33 @@ CPU_ALLOCATOR = "CPU:0"
 # With oneDNN on, the CPU allocator's statistics leave out every buffer below this size
 # (module docstring).
 ONEDNN_UNCOUNTED_BYTES = 262144
+# A step's reading by the allocator is ``peak_reading`` of this many steps' readings
+# (``added_by_calls``): the nearest-rank ``PEAK_QUANTILE``, of 12-19 readings the 2nd largest.
+# One step's reading moves from one step to the next with the free chunks the steps before left
+# (``keras.applications.ResNet50``, 64x64, batch 8: 73-106 MB added over 552 steps of 10 fresh
+# processes, as widely with one inter-op and one intra-op thread, and with oneDNN off), more
+# than the 5% a baseline is held to. Over 21 series of 24-32 steps in 11 processes, with the
+# resident bytes, the 90th percentile read 186.6-195.6 MB (1.5% standard deviation), the
+# largest 187.2-203.9 MB, and one series held a single step of 145 MB: the largest is at the
+# mercy of one step, the median of where the body sits (176-191 MB). Cut into 64 series of 12,
+# the 90th percentile moved by 1.8%, the largest by 3.5%: few readings cost little, since
+# every reading is a step (12 calls of ResNet50's step made ``optimize``'s first stage 4.3-4.8 s
+# longer at a load average of 1.8; 16 calls 7-8 s and 32 calls 9-12 s at 2-4). A high
+# quantile is also what a user's worst steps run out of memory at (2026-12-07,
+# ``bench/RESULTS.md``).
+PEAK_READINGS = 12
+PEAK_QUANTILE = 0.9
+# Fewer readings where the first ones do not spread (a rewritten step whose order the rewrite
+# pins: 24 calls of ``ResNet50``'s at half its memory read 41.3 MB each): this many, within
+# this fraction of the largest.
+STEADY_READINGS = 6
+STEADY_SPREAD = 0.02
 
 __all__ = ["profile_graph", "profile_from_run_metadata", "step_fetches", "print_progress",
            "AllocatorPeak", "added_by_calls", "allocator_devices", "default_allocator",
            "uncounted_below_bytes",
-           "traced_peak_bytes", "CPU_ALLOCATOR", "ONEDNN_UNCOUNTED_BYTES"]
+           "traced_peak_bytes", "CPU_ALLOCATOR", "ONEDNN_UNCOUNTED_BYTES", "PEAK_READINGS",
+           "PEAK_QUANTILE", "peak_reading", "STEADY_READINGS", "STEADY_SPREAD"]
 
 
 def print_progress(message: str) -> None:
@@ -173,19 +196,48 @@ class AllocatorPeak:
             self.added_bytes = peaks[device] - self._start[device]
 
 
-def added_by_calls(call: Callable[[], Any], calls: int, warmup: int = 0,
-                   devices: Iterable[str] | None = None) -> list[int | None]:
-    """What each of ``calls`` calls of ``call`` adds by the allocators of ``devices``
-    (``AllocatorPeak.added_bytes``; ``None`` where they keep no statistics), after ``warmup``
-    calls."""
-    for _ in range(warmup):
-        call()
-    readings = []
-    for _ in range(calls):
+def added_by_calls(call: Callable[[], Any], warmup: int = 0,
+                   devices: Iterable[str] | None = None, readings: int = PEAK_READINGS,
+                   first: Iterable[int | None] = ()) -> list[int | None]:
+    """What each call of ``call`` adds by the allocators of ``devices`` (``AllocatorPeak.
+    added_bytes``; ``None``: they keep no statistics), after ``warmup`` calls: ``first``
+    (readings made already, e.g. of a session's traced steps), then one reading per call
+    until there are ``readings``, or ``STEADY_READINGS`` that spread by at most
+    ``STEADY_SPREAD`` of the largest, or a ``None``. A step's reading is their
+    ``peak_reading``."""
+    done = list(first)
+    if not _enough(done, readings):
+        for _ in range(warmup):
+            call()
+    while not _enough(done, readings):
         with AllocatorPeak(devices=devices) as allocator:
             call()
-        readings.append(allocator.added_bytes)
-    return readings
+        done.append(allocator.added_bytes)
+    return done
+
+
+def peak_reading(readings: Sequence[int | None]) -> int | None:
+    """A step's reading from its steps' (``added_by_calls``): the nearest-rank
+    ``PEAK_QUANTILE`` of them (of fewer than 10, the largest); ``None`` where there are none
+    or the allocator keeps no statistics.
+
+    Examples:
+        >>> peak_reading(list(range(1, 33)))
+        29
+        >>> peak_reading([3, 9, 4])
+        9
+    """
+    if not readings or None in readings:
+        return None
+    return sorted(readings)[math.ceil(PEAK_QUANTILE * len(readings)) - 1]
+
+
+def _enough(readings: list[int | None], wanted: int) -> bool:
+    """Whether ``readings`` are enough to read the step by (``added_by_calls``)."""
+    if len(readings) >= wanted or None in readings:
+        return True
+    return (len(readings) >= STEADY_READINGS
+            and max(readings) - min(readings) <= STEADY_SPREAD * max(readings))
 
 
 def traced_peak_bytes(session: tf.compat.v1.Session, graph: tf.Graph, fetches, feeds) -> int:

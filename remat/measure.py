@@ -40,13 +40,14 @@ from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.step_compare import ReferenceStep, WeightCheck, compare_steps
 from graphfit.profiler.tf_function import FunctionItem, on_variable_copies
-from graphfit.profiler.trace import added_by_calls, profile_graph, uncounted_below_bytes
+from graphfit.profiler.trace import (added_by_calls, peak_reading, profile_graph,
+                                     uncounted_below_bytes)
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
 __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "read_calls", "step_peak",
            "paired_overhead", "paired_overheads", "measure_rewrite",
-           "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX", "CALLS_READ"]
+           "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
 # gradient within GRADIENT_RTOL of its largest |value| plus GRADIENT_ATOL_OF_MAX of the
@@ -54,11 +55,6 @@ __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "read_calls", "
 LOSS_RTOL = 1e-5
 GRADIENT_RTOL = 1e-4
 GRADIENT_ATOL_OF_MAX = 1e-5
-# Calls of a rewritten ``tf.function`` step read as the user calls it (``measure_step``'s
-# ``traced_from``): its reading is steady where a session's steps are not (ResNet50, 64x64,
-# batch 8: within 0.5 MB over 4-6 calls against 0.2-3 MB over 4 session steps, 2026-12-07),
-# and each call costs a step (0.3-0.5 s on that step).
-CALLS_READ = 2
 # ``paired_overheads``' name of the rewritten step among the originals' configurations.
 _REWRITTEN = "rewritten"
 
@@ -72,7 +68,8 @@ class StepMeasurement:
             above them.
         ruler: ``"allocator"``: what the step added is TF's allocator's reading (its peak over
             the step minus its bytes in use when the step began, ``profiler.trace.
-            AllocatorPeak``; the largest over the measured steps); ``"records"``: the
+            AllocatorPeak``; of ``allocator_readings``, their ``profiler.trace.
+            peak_reading``); ``"records"``: the
             allocator keeps no statistics (TF's default CPU allocator), or, with oneDNN on,
             its statistics, blind below 256 KiB, read less than the records (``profiler.
             trace.ONEDNN_UNCOUNTED_BYTES``), and the peak is replayed from the allocation
@@ -80,13 +77,17 @@ class StepMeasurement:
         resident_bytes: what the step holds before it runs, counted from the graph: variables
             (optimizer slots included), kernels' persistent buffers, fed tensors.
         records_peak_bytes: the peak replayed from the allocation records of a traced step.
-        allocator_added_bytes: the allocator's reading (``None``: no statistics): the larger
-            of the session's steps' and ``called_added_bytes``.
+        allocator_added_bytes: the allocator's reading (``None``: no statistics): the
+            ``profiler.trace.peak_reading`` of the session's steps, or as ``read_calls``
+            reads the step with its calls.
+        allocator_readings: what each step read added by the allocator: the session's
+            steps (unless the calls alone read the step, ``read_calls``), then the calls
+            (``called_added_bytes``).
         step_time_us: median time of the untraced steps.
         profile: the full profile (per-op costs) of the step.
         called_added_bytes: what the step added by the allocator called as the user calls a
-            rewritten ``tf.function`` step (``measure_step``'s ``traced_from``), the largest
-            over the calls; ``None``: not read.
+            ``tf.function`` step (``measure_step``'s ``traced_from``), the ``peak_reading``
+            of the calls; ``None``: not read.
     """
 
     peak_bytes: int
@@ -97,14 +98,15 @@ class StepMeasurement:
     step_time_us: float
     profile: Profile
     called_added_bytes: int | None = None
+    allocator_readings: list[int] = dataclasses.field(default_factory=list)
 
 
 def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devices: int = 1,
                  config: tf.compat.v1.ConfigProto | None = None,
                  sessions: OpenSessions | None = None,
                  traced_from: GraphItem | None = None,
-                 on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None
-                 ) -> StepMeasurement:
+                 on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None,
+                 readings: int = 0) -> StepMeasurement:
     """Run ``item``'s training step (update and loss) and measure its peak.
 
     ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
@@ -116,13 +118,22 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     batch 8, SGD) added 135 MB instead of 79-86 MB (2026-12-06, ``bench/reconcile.py``).
     ``sessions``: run in the pool's session of the step (``profiler.session.OpenSessions``).
     ``on_traced_step``: called with the traced step's ``RunMetadata`` (``profile_graph``).
+    ``readings``: where no calls are read (below), read the allocator over that many session
+    steps (untraced, untimed steps after ``steps``; fewer where they do not spread: ``profiler.
+    trace.added_by_calls``): the user's step, whose reading moves from one step to the next
+    (``profiler.trace.PEAK_READINGS``). The step's reading is the ``profiler.trace.
+    peak_reading`` of all the steps read.
 
-    ``traced_from``: the user's step ``item`` was rewritten from. When it is a traced
-    ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps
+    ``traced_from``: the user's step ``item`` was rewritten from (or ``item`` itself). When it
+    is a traced ``tf.function`` (``profiler.tf_function.FunctionItem``) and the allocator keeps
     statistics, ``item`` is also read as the user then calls it (``to_callable``, on copies
     of the user's variables: ``profiler.tf_function.on_variable_copies``): ``warmup`` calls,
-    then ``CALLS_READ`` read; the larger of the two readings is what the step adds. The two
-    ways of running one step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD)
+    then up to ``profiler.trace.PEAK_READINGS`` read (``read_calls``). The user's own step
+    (``traced_from`` is ``item``) is then read by its calls alone, as the user calls it; calls
+    of it read as the user's calls do (``keras.applications.ResNet50``, 64x64, batch 8: 90th
+    percentiles of 98.4 and 98.5 MB over 32 calls against 97.3 and 98.4 MB for the user's,
+    where a session's steps read 3 MB more in the body, 2026-12-07). The two ways of running
+    one step part: ``keras.applications.ResNet50`` (64x64, batch 8, SGD)
     rewritten for half of what it adds (oneDNN off, BFC allocator, about 45 MB added) read
     3.3 MB less to 9.8 MB more per call than per session step in the same process (17
     comparisons, median +2.4 MB), and one call's reading moved from 45.9 to 51.3 MB after
@@ -132,38 +143,53 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     (DESIGN.md §12).
     """
     config = config or step_config(item, num_cpu_devices)
+    stepped = step_item(item)
     with OpenSessions.reuse(sessions) as pool:
-        profile = profile_graph(step_item(item), steps=steps, warmup=warmup, trace_every=steps,
+        profile = profile_graph(stepped, steps=steps, warmup=warmup, trace_every=steps,
                                 num_cpu_devices=num_cpu_devices, progress=None,
                                 session_factory=lambda graph: pool.borrow(graph, config),
                                 on_traced_step=on_traced_step)
+        allocators = profile.metadata["allocator_devices"]
+        read = profile.metadata["allocator_added_bytes"]    # empty: no statistics
+        if read and not isinstance(traced_from, FunctionItem):
+            read = added_by_calls(functools.partial(pool.get(stepped.graph, config).run,
+                                                    [stepped.train_op, stepped.loss],
+                                                    stepped.feed_dict()),
+                                  devices=allocators, readings=readings, first=read)
     times = profile.step_time_us or [float("nan")]
     resident = sum(memory.resident_bytes for memory in profile.devices.values())
-    added = max(profile.metadata["allocator_added_bytes"], default=None)
-    peak, ruler = step_peak(resident, added, profile.peak_bytes,
-                            profile.metadata["allocator_devices"])
+    added = peak_reading(read)
+    peak, ruler = step_peak(resident, added, profile.peak_bytes, allocators)
     measured = StepMeasurement(
         peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
-        step_time_us=statistics.median(times), profile=profile)
-    return measured if traced_from is None else read_calls(measured, item, traced_from, warmup)
+        step_time_us=statistics.median(times), profile=profile, allocator_readings=read)
+    return (measured if traced_from is None
+            else read_calls(measured, item, traced_from, warmup,
+                            with_session=item is not traced_from))
 
 
 def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphItem,
-               warmup: int = 1) -> StepMeasurement:
+               warmup: int = 1, with_session: bool = True) -> StepMeasurement:
     """``measured`` (``item``'s session steps) with ``item`` also read as the user calls it,
     when ``traced_from`` is a traced ``tf.function`` and the allocator keeps statistics
-    (``measure_step``'s ``traced_from``); as it is otherwise."""
+    (``measure_step``'s ``traced_from``): read by the larger of the session's steps' and the
+    calls' ``peak_reading``, the two ways a rewritten step may run; or by the calls' alone
+    (not ``with_session``: the user's own step, which the user calls; a session's steps read
+    it 3 MB higher in the body on ``keras.applications.ResNet50``, and their readings with
+    the calls' made a higher quantile than the user's calls alone); as it is otherwise."""
     allocators = measured.profile.metadata["allocator_devices"]
     if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
         return measured
-    called = max(added_by_calls(on_variable_copies(item, traced_from), CALLS_READ, warmup,
-                                allocators))
-    added = max(measured.allocator_added_bytes, called)
+    calls = added_by_calls(on_variable_copies(item, traced_from), warmup, allocators)
+    called = peak_reading(calls)
+    added = max(measured.allocator_added_bytes, called) if with_session else called
     peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,
                             allocators)
     return dataclasses.replace(measured, peak_bytes=peak, ruler=ruler,
-                               allocator_added_bytes=added, called_added_bytes=called)
+                               allocator_added_bytes=added, called_added_bytes=called,
+                               allocator_readings=(measured.allocator_readings
+                                                   if with_session else []) + calls)
 
 
 def step_peak(resident_bytes: int, allocator_added_bytes: int | None, records_peak_bytes: int,
@@ -298,6 +324,9 @@ def compare_rewrite(original: GraphItem, rewritten: GraphItem, plan: RematPlan,
         # What the step added called as the user calls it (``measure_step``'s
         # ``traced_from``; ``None``: not read), within ``measured_peak_bytes``.
         "measured_called_added_bytes": measured.called_added_bytes,
+        # How many steps' allocator readings each peak is read from (``StepMeasurement``).
+        "baseline_allocator_readings": len(baseline.allocator_readings),
+        "measured_allocator_readings": len(measured.allocator_readings),
         "peak_ratio": measured.peak_bytes / baseline.peak_bytes,
         "prediction_error": measured.peak_bytes / plan.peak_bytes - 1.0,
         "planned_overhead": plan.overhead,
