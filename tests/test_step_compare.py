@@ -125,3 +125,18 @@ def test_a_reference_step_run_ahead_is_the_one_compared():
     assert comparison.loss_reference == ahead.values.loss
     with pytest.raises(ValueError, match="read the variables"):
         compare_steps(item, candidate, weights=WeightCheck(), reference_step=ahead)
+
+
+def test_steps_that_draw_random_numbers_compare_equal_after_pool_sessions_ran_them():
+    """A seeded dropout draws the next numbers each run of its session: the reference and the
+    candidate must not run in a pool's session that already ran steps (the closed loop's
+    measurements run two steps before the reference and four before the rewritten step)."""
+    from graphfit.profiler.session import OpenSessions, step_config
+
+    item = models.build("cifarnet", preset="tiny")
+    with OpenSessions() as pool:
+        session = pool.get(item.graph, step_config(item))
+        item.initialize(session)
+        for _ in range(2):
+            session.run([item.train_op, item.loss], item.feed_dict())
+        compare_steps(item, item, sessions=pool).check()
