@@ -19,9 +19,8 @@ from graphfit.profiler.trace import PEAK_READINGS, STEADY_READINGS, added_by_cal
 
 _SCRIPT = """
 import json
-import numpy as np
 import tensorflow as tf
-from graphfit.models.training import build_training_step
+from graphfit import models
 from graphfit.profiler.trace import PEAK_READINGS, added_by_calls
 from graphfit.remat.measure import measure_step
 
@@ -39,15 +38,7 @@ calls.clear()
 # One step in four holds 16 MiB instead of 4: a spread no few readings are sure to catch.
 spread = added_by_calls(held([2**20, 2**20, 2**20, 2**22]), warmup=1)
 
-def forward(rng):
-    x = tf.compat.v1.placeholder(tf.float32, [256, 512], name="x")
-    w = tf.compat.v1.get_variable("w", [512, 512], use_resource=True,
-                                  initializer=tf.compat.v1.random_normal_initializer(0, .05))
-    return tf.reduce_sum(tf.tanh(x @ w)), {
-        "x:0": rng.standard_normal((256, 512), dtype=np.float32)}
-
-item = build_training_step("small", {"optimizer": "sgd", "learning_rate": 1e-2, "seed": 0},
-                           forward)
+item = models.build("mlp", preset="tiny")
 default = measure_step(item, steps=2)
 read = measure_step(item, steps=2, readings=PEAK_READINGS)
 print(json.dumps({"steady": steady, "steady_calls": steady_calls, "spread": spread,
@@ -74,7 +65,7 @@ def test_a_step_is_read_until_its_readings_settle_or_many_are_read():
     # The session's own steps by default; more for the report's baseline, fewer if they agree.
     assert row["default_readings"] == 2
     assert STEADY_READINGS <= row["readings"] <= PEAK_READINGS
-    assert row["added"] >= 256 * 512 * 4
+    assert row["added"] >= 32 * 64 * 4        # a hidden activation: batch 32, width 64
 
 
 def test_without_statistics_one_call_says_so():
