@@ -43,6 +43,9 @@ Rules:
   function-valued attributes (``If``/``Case`` branches) stay opaque to the passes: such a
   step is refused with the names of the nodes (e.g. trace the step without ``tf.cond`` on
   tensors, or without Keras ``jit_compile``).
+- **Sums.** Each tree of adds is summed as TF's function runtime sums it (Grappler's
+  arithmetic optimizer: one ``AddN`` per input shape, ``profiler.sum_groups``), so that the
+  passes' edges and clones cannot change what the step computes.
 
 Example (``train_step`` a Keras 3 ``@tf.function`` step returning the loss)::
 
@@ -76,6 +79,7 @@ from graphfit.models.graph_item import GraphItem
 from graphfit.profiler.grouped_convolutions import use_depthwise_kernels
 from graphfit.profiler.inline_functions import inline_functions
 from graphfit.profiler.session import step_config
+from graphfit.profiler.sum_groups import regroup_sums
 from graphfit.profiler.tf_import import step_operations
 from graphfit.profiler.unroll_loops import LoopUnrollError, unroll_loops
 
@@ -306,7 +310,7 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
     signature = tf.nest.flatten(concrete.structured_input_signature)
     feeds = {tensor_name: np.asarray(value)
              for tensor_name, value in zip(data_inputs, _data_values(signature, args))}
-    return FunctionItem(graph=graph, train_op=train_op.name, loss=loss.name,
+    item = FunctionItem(graph=graph, train_op=train_op.name, loss=loss.name,
                         gradients=gradients, init_op=init_op.name, feeds=feeds, name=name,
                         init_feeds={initial_values[handle].name: value
                                     for handle, value in values.items()},
@@ -315,6 +319,8 @@ def graph_item_from_function(fn: Any, *args: Any, name: str = "function") -> Fun
                                 "unrolled_loops": unrolled.trip_counts,
                                 "inlined_calls": inlined, "depthwise_kernels": depthwise},
                         data_inputs=data_inputs, captures=captures, input_signature=signature)
+    # The sums as TF's function runtime makes them, before any pass can change them.
+    return regroup_sums(item)[0]
 
 
 def _data_values(signature: list[Any], args: tuple) -> list[Any]:
