@@ -39,7 +39,8 @@ applies them:
 Left to Grappler: trees of non-float sums (integer addition is associative), trees with a
 ``Const`` leaf (Grappler's constant folding, which runs first, pushes constants through adds),
 shapes known only symbolically, and three or more leaf shapes with equal sizes (the stage's
-order among them is unspecified). The root keeps its name, so its readers and every fetched
+order among them is unspecified); such a tree is left whole, its inner adds included, as
+grouping part of it would change the tree Grappler takes. The root keeps its name, so its readers and every fetched
 name are unchanged; the inner adds are removed; an add the step fetches is never taken in.
 
 Preconditions: an acyclic step. Postconditions (checked by ``rebuild``): the graph imports, is
@@ -99,20 +100,22 @@ def regroup_sums(item: GraphItem) -> tuple[GraphItem, dict]:
                 and node.name not in controlled
                 and tf.as_dtype(node.attr["T"].type).is_floating)
 
-    removed: set[str] = set()
+    removed: set[str] = set()      # inner adds of the trees rewritten
+    left: set[str] = set()         # adds of a tree left to Grappler, which takes it whole
     added: list[tf.compat.v1.NodeDef] = []
     trees = 0
     for root in reversed(graph_def.node):
-        if root.name in removed or not is_add(root):
+        if root.name in removed or root.name in left or not is_add(root):
             continue
         root_shape = shape(root.name)
-        if root_shape is None:
-            continue
-        inner, leaves = _tree(root, root_shape, nodes, readers, fetched, shape, is_add)
-        if not inner or any(nodes[split_input(leaf)[0]].op == "Const" for leaf in leaves):
-            continue
-        new_nodes = _grouped_sums(root, [(leaf, shape(leaf)) for leaf in leaves])
+        inner, leaves = ([], []) if root_shape is None else _tree(
+            root, root_shape, nodes, readers, fetched, shape, is_add)
+        new_nodes = None
+        if inner and not any(nodes[split_input(leaf)[0]].op == "Const" for leaf in leaves):
+            new_nodes = _grouped_sums(root, [(leaf, shape(leaf)) for leaf in leaves])
         if new_nodes is None:
+            # Grouping an inner add here would change the tree Grappler takes from this root.
+            left.update(_adds_below(root, nodes, readers, is_add))
             continue
         trees += 1
         removed.update(node.name for node in inner)
@@ -150,6 +153,18 @@ def _tree(root, root_shape, nodes, readers, fetched, shape, is_add):
         else:
             leaves.append(tensor)
     return inner, leaves
+
+
+def _adds_below(root, nodes, readers, is_add) -> set[str]:
+    """Every add a tree from ``root`` could take in, whatever the shapes: the adds read only
+    by ``root`` or by one of them."""
+    below, pending = set(), [name for name in root.input if not name.startswith("^")]
+    while pending:
+        node = nodes[split_input(pending.pop())[0]]
+        if is_add(node) and readers[node.name] == 1 and node.name not in below:
+            below.add(node.name)
+            pending.extend(name for name in node.input if not name.startswith("^"))
+    return below
 
 
 def _broadcastable(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:

@@ -147,3 +147,46 @@ def test_a_tree_with_a_control_edge_or_a_second_reader_is_left_to_grappler():
     with tf.compat.v1.Session(graph=regrouped.graph) as session:
         session.run(regrouped.init_op)
         assert session.run(regrouped.loss) == 6 * (6 + 4 + 4 + 2)    # pinned = a + b + c, shared = a + c
+
+
+def test_a_tree_of_four_shapes_is_summed_bit_for_bit_as_in_the_users_step():
+    rng = np.random.default_rng(1)
+    shapes = [(4, 3, 5), (3, 5), (5,), (4, 3, 5), (4, 3, 5), (3, 1)]
+    weights = [tf.Variable(rng.standard_normal(shape).astype(np.float32)
+                           * np.float32(10 ** rng.uniform(-3, 3))) for shape in shapes]
+    x = rng.standard_normal(3).astype(np.float32)
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            a, b, c, d, e, f = (w * x[0] for w in weights)
+            total = tf.add_n([a * x[1], ((a + b) + (c + d)) + (e + f), d * x[2]])
+            loss = tf.reduce_sum(total * total)
+        for w, g in zip(weights, tape.gradient(loss, weights)):
+            w.assign_sub(1e-6 * g)
+        return loss
+
+    step = tf.function(body)
+    saved = [w.numpy() for w in weights]
+    item = graph_item_from_function(step, x)
+    # One AddN of the five [4, 3, 5] leaves, depth first, and the sums from the smallest shape
+    # up: [3, 1], [5], [3, 5], then the AddN.
+    assert item.config["sum_groups"] == {"changed": True, "trees": 1, "adds_removed": 5}
+    nodes = {node.name: node for node in item.graph.as_graph_def().node}
+    assert [nodes["AddN"].op, nodes["AddN/sum_groups/leaf_3"].op] == ["AddV2", "AddN"]
+
+    def one_step(call):
+        for w, value in zip(weights, saved):
+            w.assign(value)
+        return float(call(x)), [w.numpy() for w in weights]
+
+    user_loss, user_weights = one_step(step)
+    loss, after = one_step(to_callable(item))
+    assert loss == user_loss and all(np.array_equal(a, b) for a, b in zip(after, user_weights))
+    # The test can fail: summed in the traced order, the step computes other values.
+    tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
+    try:
+        traced_order = one_step(tf.function(body))
+    finally:
+        tf.config.optimizer.set_experimental_options({"arithmetic_optimization": True})
+    assert traced_order[0] != user_loss or not all(
+        np.array_equal(a, b) for a, b in zip(traced_order[1], user_weights))
