@@ -146,7 +146,8 @@ def test_a_tree_with_a_control_edge_or_a_second_reader_is_left_to_grappler():
     assert list(kept["total"].input) == ["pinned", "shared", "shared", "b"]
     with tf.compat.v1.Session(graph=regrouped.graph) as session:
         session.run(regrouped.init_op)
-        assert session.run(regrouped.loss) == 6 * (6 + 4 + 4 + 2)    # pinned = a + b + c, shared = a + c
+        # pinned = a + b + c, shared = a + c, over six elements
+        assert session.run(regrouped.loss) == 6 * (6 + 4 + 4 + 2)
 
 
 def test_a_tree_of_four_shapes_is_summed_bit_for_bit_as_in_the_users_step():
