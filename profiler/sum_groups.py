@@ -194,11 +194,8 @@ def _grouped_sums(root: tf.compat.v1.NodeDef, leaves: list[tuple[str, tuple[int,
         made.attr[REGROUPED_TAG].b = True
         return made
 
-    def rewrite_root(op: str, inputs: list[str]) -> None:
-        root.CopyFrom(node(root.name, op, inputs))
-
     if len(ordered) == 1:
-        rewrite_root("AddN", groups[ordered[0]])
+        root.CopyFrom(node(root.name, "AddN", groups[ordered[0]]))
         return new_nodes
     sums = []
     for k, group_shape in enumerate(ordered):
@@ -213,5 +210,5 @@ def _grouped_sums(root: tf.compat.v1.NodeDef, leaves: list[tuple[str, tuple[int,
     for k, tensor in enumerate(sums[1:-1]):
         new_nodes.append(node(f"{root.name}/sum_groups/partial_{k}", add_op, [total, tensor]))
         total = new_nodes[-1].name
-    rewrite_root(add_op, [total, sums[-1]])
+    root.CopyFrom(node(root.name, add_op, [total, sums[-1]]))
     return new_nodes
