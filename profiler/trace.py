@@ -388,8 +388,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
                   num_cpu_devices: int = 1, target: str = "",
                   progress: bool | None = True,
                   session_factory: Callable[[tf.Graph], tf.compat.v1.Session] | None = None,
-                  on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None
-                  ) -> Profile:
+                  on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None,
+                  before_measuring: Callable[[], Any] | None = None) -> Profile:
     """Run ``item``'s training step and measure it.
 
     Args:
@@ -404,6 +404,9 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
             which bounds and diagnoses calls on a cluster); default ``make_session``.
         on_traced_step: called with each traced step's ``RunMetadata`` (``remat.tf_memory.
             TracedOrders`` takes the first as the first order it plans on).
+        before_measuring: called once between the warm-up steps and the first measured one,
+            e.g. to wait for work run beside the session's first step (``remat.measure.
+            measure_step``'s ``calls_ahead``), which no measured step may overlap.
 
     Returns:
         The profile; its ``coverage`` is the fraction of the step's ops measured.
@@ -423,6 +426,8 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
         for k in progress_bar(range(warmup + steps), f"profile {item.name or 'graph'}",
                               enabled=bool(progress)):
             traced = k >= warmup and (k - warmup) % trace_every == 0
+            if k == warmup and before_measuring is not None:
+                before_measuring()
             metadata = tf.compat.v1.RunMetadata()
             with AllocatorPeak(k >= warmup and not target, allocators) as allocator:
                 begin = time.perf_counter()

@@ -26,6 +26,7 @@ the gradients are not (``remat.tf_memory.step_item``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import statistics
@@ -40,12 +41,13 @@ from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.step_compare import ReferenceStep, WeightCheck, compare_steps
 from graphfit.profiler.tf_function import FunctionItem, on_variable_copies
-from graphfit.profiler.trace import (added_by_calls, peak_reading, profile_graph,
-                                     uncounted_below_bytes)
+from graphfit.profiler.trace import (AllocatorPeak, added_by_calls, peak_reading,
+                                     profile_graph, uncounted_below_bytes)
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
-__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "read_calls", "step_peak",
+__all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "read_calls", "warmed_call",
+           "step_peak",
            "paired_overhead", "paired_overheads", "measure_rewrite",
            "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
 
@@ -106,7 +108,8 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
                  sessions: OpenSessions | None = None,
                  traced_from: GraphItem | None = None,
                  on_traced_step: Callable[[tf.compat.v1.RunMetadata], Any] | None = None,
-                 readings: int = 0) -> StepMeasurement:
+                 readings: int = 0, beside: concurrent.futures.Future | None = None
+                 ) -> StepMeasurement:
     """Run ``item``'s training step (update and loss) and measure its peak.
 
     ``steps`` steps follow ``warmup`` untraced ones; the first of them is traced, the others
@@ -118,6 +121,9 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     batch 8, SGD) added 135 MB instead of 79-86 MB (2026-12-06, ``bench/reconcile.py``).
     ``sessions``: run in the pool's session of the step (``profiler.session.OpenSessions``).
     ``on_traced_step``: called with the traced step's ``RunMetadata`` (``profile_graph``).
+    ``beside``: work running on another thread while the session initialises and warms up
+    (e.g. ``warmed_call`` of this step), waited for before the first measured step, which
+    nothing may overlap.
     ``readings``: where no calls are read (below), read the allocator over that many session
     steps (untraced, untimed steps after ``steps``; fewer where they do not spread: ``profiler.
     trace.added_by_calls``): the user's step, whose reading moves from one step to the next
@@ -144,11 +150,15 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     """
     config = config or step_config(item, num_cpu_devices)
     stepped = step_item(item)
-    with OpenSessions.reuse(sessions) as pool:
+    reads_calls = isinstance(traced_from, FunctionItem) and keeps_statistics()
+    with OpenSessions.reuse(sessions) as pool, concurrent.futures.ThreadPoolExecutor(1) as side:
+        if reads_calls:
+            beside = side.submit(warmed_call, item, traced_from, warmup)
         profile = profile_graph(stepped, steps=steps, warmup=warmup, trace_every=steps,
                                 num_cpu_devices=num_cpu_devices, progress=None,
                                 session_factory=lambda graph: pool.borrow(graph, config),
-                                on_traced_step=on_traced_step)
+                                on_traced_step=on_traced_step,
+                                before_measuring=None if beside is None else beside.result)
         allocators = profile.metadata["allocator_devices"]
         read = profile.metadata["allocator_added_bytes"]    # empty: no statistics
         if read and not isinstance(traced_from, FunctionItem):
@@ -164,24 +174,46 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
         peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
         step_time_us=statistics.median(times), profile=profile, allocator_readings=read)
-    return (measured if traced_from is None
-            else read_calls(measured, item, traced_from, warmup,
-                            with_session=item is not traced_from))
+    return (read_calls(measured, item, traced_from, with_session=item is not traced_from,
+                       call=beside.result()) if reads_calls else measured)
+
+
+def keeps_statistics() -> bool:
+    """Whether the allocator of an unplaced op (``profiler.trace.default_allocator``) keeps
+    the statistics calls are read by (a traced ``tf.function``'s ops are unplaced)."""
+    with AllocatorPeak() as probe:
+        pass
+    return probe.bytes is not None
+
+
+def warmed_call(item: GraphItem, traced_from: FunctionItem, warmup: int = 1
+                ) -> Callable[[], tf.Tensor]:
+    """A call of ``item``'s step as the user calls it (``profiler.tf_function.
+    on_variable_copies``), made ``warmup`` times. Built on the second core while a session's
+    first step runs (``measure_step``'s ``beside``), the building and the first call, the
+    function's own Grappler pass, take no wall time of their own: 2.0-2.6 s of each of the
+    two steps read on ``keras.applications.ResNet50`` (64x64, batch 8, 2026-12-07)."""
+    call = on_variable_copies(item, traced_from)
+    for _ in range(warmup):
+        call()
+    return call
 
 
 def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphItem,
-               warmup: int = 1, with_session: bool = True) -> StepMeasurement:
+               with_session: bool = True, call: Callable[[], Any] | None = None
+               ) -> StepMeasurement:
     """``measured`` (``item``'s session steps) with ``item`` also read as the user calls it,
     when ``traced_from`` is a traced ``tf.function`` and the allocator keeps statistics
     (``measure_step``'s ``traced_from``): read by the larger of the session's steps' and the
     calls' ``peak_reading``, the two ways a rewritten step may run; or by the calls' alone
     (not ``with_session``: the user's own step, which the user calls; a session's steps read
     it 3 MB higher in the body on ``keras.applications.ResNet50``, and their readings with
-    the calls' made a higher quantile than the user's calls alone); as it is otherwise."""
+    the calls' made a higher quantile than the user's calls alone); as it is otherwise.
+    ``call``: the call to read, warmed up already (``warmed_call``); by default one made here."""
     allocators = measured.profile.metadata["allocator_devices"]
     if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
         return measured
-    calls = added_by_calls(on_variable_copies(item, traced_from), warmup, allocators)
+    calls = added_by_calls(call or warmed_call(item, traced_from), 0, allocators)
     called = peak_reading(calls)
     added = max(measured.allocator_added_bytes, called) if with_session else called
     peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,

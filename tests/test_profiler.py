@@ -130,3 +130,35 @@ def test_open_sessions_reuse_one_session_per_graph_and_configuration():
         other = sessions.get(second)
         sessions.keep_only([second])
         assert sessions.get(second) is other and sessions.get(first) is not session
+
+
+def test_work_beside_the_warm_up_is_waited_for_before_the_first_measured_step():
+    """``before_measuring`` runs once, after the warm-up steps and before the first measured
+    one: ``remat.measure.measure_step`` builds the user's call beside the session's first
+    step and waits there, so that no measured step overlaps it."""
+    from graphfit.profiler.session import make_session
+
+    item = models.build("mlp", preset="tiny")
+    steps_run, events = [], []
+
+    class CountingSession:
+        def __init__(self, graph):
+            self.session = make_session(graph)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.session.close()
+
+        def run(self, fetches, *args, **kwargs):
+            if isinstance(fetches, list) and item.train_op in fetches:
+                steps_run.append(kwargs.get("options") is not None)
+            return self.session.run(fetches, *args, **kwargs)
+
+    profile_graph(item, steps=2, warmup=2, trace_every=1, progress=None,
+                  session_factory=CountingSession,
+                  before_measuring=lambda: events.append(len(steps_run)),
+                  on_traced_step=lambda _: events.append("traced"))
+    assert events == [2, "traced", "traced"]
+    assert steps_run == [False, False, True, True]
