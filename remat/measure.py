@@ -41,8 +41,8 @@ from graphfit.profiler.profile import Profile
 from graphfit.profiler.session import OpenSessions, step_config, user_config
 from graphfit.profiler.step_compare import ReferenceStep, WeightCheck, compare_steps
 from graphfit.profiler.tf_function import FunctionItem, on_variable_copies
-from graphfit.profiler.trace import (AllocatorPeak, added_by_calls, peak_reading,
-                                     profile_graph, uncounted_below_bytes)
+from graphfit.profiler.trace import (added_by_calls, peak_reading, profile_graph,
+                                     uncounted_below_bytes)
 from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
@@ -150,10 +150,7 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
     """
     config = config or step_config(item, num_cpu_devices)
     stepped = step_item(item)
-    reads_calls = isinstance(traced_from, FunctionItem) and keeps_statistics()
-    with OpenSessions.reuse(sessions) as pool, concurrent.futures.ThreadPoolExecutor(1) as side:
-        if reads_calls:
-            beside = side.submit(warmed_call, item, traced_from, warmup)
+    with OpenSessions.reuse(sessions) as pool:
         profile = profile_graph(stepped, steps=steps, warmup=warmup, trace_every=steps,
                                 num_cpu_devices=num_cpu_devices, progress=None,
                                 session_factory=lambda graph: pool.borrow(graph, config),
@@ -174,25 +171,21 @@ def measure_step(item: GraphItem, steps: int = 4, warmup: int = 1, num_cpu_devic
         peak_bytes=peak, ruler=ruler, resident_bytes=resident,
         records_peak_bytes=profile.peak_bytes, allocator_added_bytes=added,
         step_time_us=statistics.median(times), profile=profile, allocator_readings=read)
-    return (read_calls(measured, item, traced_from, with_session=item is not traced_from,
-                       call=beside.result()) if reads_calls else measured)
-
-
-def keeps_statistics() -> bool:
-    """Whether the allocator of an unplaced op (``profiler.trace.default_allocator``) keeps
-    the statistics calls are read by (a traced ``tf.function``'s ops are unplaced)."""
-    with AllocatorPeak() as probe:
-        pass
-    return probe.bytes is not None
+    return (measured if traced_from is None
+            else read_calls(measured, item, traced_from, warmup,
+                            with_session=item is not traced_from))
 
 
 def warmed_call(item: GraphItem, traced_from: FunctionItem, warmup: int = 1
                 ) -> Callable[[], tf.Tensor]:
     """A call of ``item``'s step as the user calls it (``profiler.tf_function.
-    on_variable_copies``), made ``warmup`` times. Built on the second core while a session's
-    first step runs (``measure_step``'s ``beside``), the building and the first call, the
-    function's own Grappler pass, take no wall time of their own: 2.0-2.6 s of each of the
-    two steps read on ``keras.applications.ResNet50`` (64x64, batch 8, 2026-12-07)."""
+    on_variable_copies``), made ``warmup`` times. The closed loop builds a rewritten step's
+    on the second core while its session runs its first step (``measure_step``'s ``beside``):
+    the building and the first call, the function's own Grappler pass, then take no wall
+    time of their own (2.3 s of ``keras.applications.ResNet50``'s 31 s, 64x64, batch 8,
+    2026-12-07). Not the user's step's: built so, its calls read 4.5 MB more (191.3 against
+    186.8 MB, the means of 20 and 9 fresh processes; the BFC allocator's free chunks after two
+    steps at once), and the budget is a share of that reading, held to the user's own."""
     call = on_variable_copies(item, traced_from)
     for _ in range(warmup):
         call()
@@ -200,8 +193,8 @@ def warmed_call(item: GraphItem, traced_from: FunctionItem, warmup: int = 1
 
 
 def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphItem,
-               with_session: bool = True, call: Callable[[], Any] | None = None
-               ) -> StepMeasurement:
+               warmup: int = 1, with_session: bool = True,
+               call: Callable[[], Any] | None = None) -> StepMeasurement:
     """``measured`` (``item``'s session steps) with ``item`` also read as the user calls it,
     when ``traced_from`` is a traced ``tf.function`` and the allocator keeps statistics
     (``measure_step``'s ``traced_from``): read by the larger of the session's steps' and the
@@ -213,7 +206,7 @@ def read_calls(measured: StepMeasurement, item: GraphItem, traced_from: GraphIte
     allocators = measured.profile.metadata["allocator_devices"]
     if measured.allocator_added_bytes is None or not isinstance(traced_from, FunctionItem):
         return measured
-    calls = added_by_calls(call or warmed_call(item, traced_from), 0, allocators)
+    calls = added_by_calls(call or warmed_call(item, traced_from, warmup), 0, allocators)
     called = peak_reading(calls)
     added = max(measured.allocator_added_bytes, called) if with_session else called
     peak, ruler = step_peak(measured.resident_bytes, added, measured.records_peak_bytes,
