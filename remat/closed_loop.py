@@ -224,7 +224,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                                            session_config)
     from graphfit.profiler.step_compare import WeightCheck, run_reference
     from graphfit.profiler.tf_function import FunctionItem
-    from graphfit.profiler.trace import PEAK_READINGS
+    from graphfit.profiler.trace import CPU_ALLOCATOR, PEAK_READINGS, default_allocator
     from graphfit.remat.early_updates import order_updates_after_reads
     from graphfit.remat.measure import compare_rewrite, measure_step, read_calls, warmed_call
     from graphfit.remat.step_time import trace_for_prediction
@@ -338,11 +338,13 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
             with times.stage("measure_peak"), failing_step("rematerialized"):
                 if reference_step is not None:
                     reference_step.result()                      # done before measuring
-                # The call read below is built and warmed up beside the session's first step;
-                # it goes unused when the session's steps miss.
+                # The call read below is built and warmed up beside the session's first step
+                # (it goes unused when the session's steps miss), in host memory only: on a
+                # GPU the two first steps at once would need twice the step's memory.
                 call = (ahead.submit(warmed_call, rewritten, original)
                         if isinstance(original, FunctionItem)
-                        and baseline.allocator_added_bytes is not None else None)
+                        and baseline.allocator_added_bytes is not None
+                        and default_allocator() == CPU_ALLOCATOR else None)
                 measured = measure_step(rewritten, sessions=sessions, beside=call)
                 floating = side_by_side and plan.stats["side_by_side_events"]
                 if meets_budget(measured.peak_bytes, budget, measured.resident_bytes) and (

@@ -180,7 +180,8 @@ def warmed_call(item: GraphItem, traced_from: FunctionItem, warmup: int = 1
                 ) -> Callable[[], tf.Tensor]:
     """A call of ``item``'s step as the user calls it (``profiler.tf_function.
     on_variable_copies``), made ``warmup`` times. The closed loop builds a rewritten step's
-    on the second core while its session runs its first step (``measure_step``'s ``beside``):
+    on the second core while its session runs its first step (``measure_step``'s ``beside``;
+    on the CPU only, where memory is the host's: a GPU would hold both first steps at once):
     the building and the first call, the function's own Grappler pass, then take no wall
     time of their own (2.3 s of ``keras.applications.ResNet50``'s 31 s, 64x64, batch 8,
     2026-12-07). Not the user's step's: built so, its calls read 4.5 MB more (191.3 against
