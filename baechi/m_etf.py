@@ -371,7 +371,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             continue
         start, _, ready, d, u, heap = best
         drop(u, d, heap)
-        if builder.advance(start):
+        if builder.advance(start) and any(blocked):  # memory was released, and units wait
             _requeue(blocked, enqueue)
         short = builder.shortfall_bytes(u, d)
         if short > 0:
