@@ -129,21 +129,30 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     awaited: list[tuple[int, float] | None] = [None] * num_devices
     touched: set[int] = set()  # devices whose heaps got a unit since their candidate was taken
 
+    placed, group_device = builder.device, builder.group_device
+    data_ready_us, receive_bound = builder.data_ready_us, builder.receive_bound
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+
     def enqueue(u: int, devs, ready: list[float] | float | None = None,
                 first: bool = False) -> None:
         """Queue u on devs. ready: per device, when its inputs would be there; one number, a
         lower bound on every device (asked when it reaches a top); None: asked now."""
+        prio = -math.inf if first else priority[u]
+        lower_bound = isinstance(ready, float)
+        key = u * num_devices
+        bits = queued[u]
         for d in devs:
-            if not queued[u] >> d & 1:
-                queued[u] |= 1 << d
+            if not bits >> d & 1:
+                bits |= 1 << d
                 touched.add(d)
-                if isinstance(ready, float):
+                if lower_bound:
                     when = ready
-                    confirmed[u * num_devices + d] = -1
+                    confirmed[key + d] = -1
                 else:
-                    when = ready[d] if ready is not None else builder.data_ready_us(u, d)
-                    confirmed[u * num_devices + d] = builder.ready_epoch(d)
-                heapq.heappush(waiting[d], (when, -math.inf if first else priority[u], u))
+                    when = ready[d] if ready is not None else data_ready_us(u, d)
+                    confirmed[key + d] = builder.ready_epoch(d)
+                heappush(waiting[d], (when, prio, u))
+        queued[u] = bits
 
     def on_ready(u: int, produced_us: float) -> None:
         """u's last input is produced at produced_us: no device has it earlier. Without a
@@ -158,8 +167,8 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             enqueue(u, all_devices, produced_us)
             return
         # SCT's rule: the favourite child runs right after its parent unless that delays it
-        ready = [builder.data_ready_us(u, d) for d in all_devices]
-        d = builder.device[fav[u]]
+        ready = [data_ready_us(u, d) for d in all_devices]
+        d = placed[fav[u]]
         free, clock = builder.device_free, builder.clock
         start = [max(free[e], clock, ready[e]) for e in all_devices]
         if builder.units_on[d][-1] == fav[u] and start[d] <= min(start) + _EPS_US and \
@@ -172,7 +181,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
     def drop(u: int, d: int, heap: list) -> None:
         """Remove u's entry, normally the top (a requeue may have pushed a smaller one)."""
         if heap[0][2] == u:
-            heapq.heappop(heap)
+            heappop(heap)
         else:
             k = next(k for k, entry in enumerate(heap) if entry[2] == u)
             heap[k] = heap[-1]
@@ -180,22 +189,20 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             heapq.heapify(heap)
         queued[u] &= ~(1 << d)
 
-    placed, group_device = builder.device, builder.group_device
-    data_ready_us, receive_bound = builder.data_ready_us, builder.receive_bound
-    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-
-    def earliest(d: int) -> float:
-        """When device d can start its next unit at the soonest: free, and past the clock
+    def earliest() -> list[float]:
+        """When each device can start its next unit at the soonest: free, and past the clock
         (a held device: once its favourite child's inputs are there)."""
-        free = builder.device_free[d]
-        if free < builder.clock:
-            free = builder.clock
-        if awaited[d] is not None:
-            if placed[awaited[d][0]] == -1:
-                free = max(free, awaited[d][1])  # nothing else starts before the child can
-            else:
-                awaited[d] = None
-        return free
+        clock = builder.clock
+        lower = [free if free >= clock else clock for free in builder.device_free]
+        if fav is not None:
+            for d in all_devices:
+                if awaited[d] is not None:
+                    if placed[awaited[d][0]] == -1:
+                        # nothing else starts before the child can
+                        lower[d] = max(lower[d], awaited[d][1])
+                    else:
+                        awaited[d] = None
+        return lower
 
     def park(d: int, cost: float, prio: float, ready: float, u: int) -> None:
         """Park u on d until d's receiving channel plus u's sends' cost is no later than d is
@@ -230,8 +237,9 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         del parked_entry[key]
         return entry
 
-    def candidate(d: int):
-        """(start, priority, data ready, device, unit, heap) of device d's best unit.
+    def candidate(d: int, free: float):
+        """(start, priority, data ready, device, unit, heap) of device d's best unit, d being
+        free at ``free`` (``earliest()[d]``).
 
         A top whose estimate was not confirmed since d's last ``ready_epoch`` is asked again
         (links only get busier, so an estimate is a lower bound unless a copy of an input
@@ -242,7 +250,6 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         busier, and comes back once channel + cost fits (under contention nine in ten stale
         estimates are of this kind, and each was otherwise asked again after every commit)."""
         epoch = builder.ready_epoch(d)
-        free = earliest(d)
         receive = builder.receive_free_us(d)
         wait, ok, parked = waiting[d], startable[d], parked_on[d]
         while True:
@@ -299,23 +306,27 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
         """The earliest (start, priority, ...) candidate over the devices. A device whose
         earliest start is later than the best so far is not asked (it cannot win, and its
         stale estimates wait for a turn it can win: with four devices, a third of the asks)."""
-        lower = [earliest(d) for d in all_devices]
+        lower = earliest()
         candidates = [None] * num_devices
         asked = [False] * num_devices
         touched.clear()
         best = None
         again = True
+        by_lower = sorted(all_devices, key=lower.__getitem__)
         while again:
             again = False
-            for d in sorted(all_devices, key=lower.__getitem__):
+            for d in by_lower:
                 if best is not None and lower[d] > best[0]:
                     break
                 if asked[d] and d not in touched:
                     continue
                 touched.discard(d)  # a unit moved to its group's device: ask that one again
                 asked[d] = again = True
-                candidates[d] = candidate(d)
-                best = min(filter(None, candidates), default=None)  # devices differ
+                previous, candidates[d] = candidates[d], candidate(d, lower[d])
+                if previous is not None and previous is best:  # d asked again: the best of all
+                    best = min(filter(None, candidates), default=None)  # devices differ
+                elif candidates[d] is not None and (best is None or candidates[d] < best):
+                    best = candidates[d]
         return best
 
     def unpark_readers(first_transfer: int) -> None:
@@ -360,7 +371,7 @@ def _earliest_task_first(units: UnitGraph, devices: DeviceSet, memory_model: str
             continue
         start, _, ready, d, u, heap = best
         drop(u, d, heap)
-        if builder.advance(start):
+        if builder.advance(start) and any(blocked):  # memory was released, and units wait
             _requeue(blocked, enqueue)
         short = builder.shortfall_bytes(u, d)
         if short > 0:

@@ -486,22 +486,28 @@ class ScheduleBuilder:
                     continue
             if when > ready:
                 ready = when
+        if not needed:
+            return ready, needed, 0
         needed.sort()
         a, b, t_comm = self._a, self._b, self._t_comm
-        sends = [(available, src, a[src][d] * t_comm[t] + b[src][d])
-                 for available, t, src in needed]
-        return ready, sends, sum(cost for _, _, cost in sends)
+        sends = []
+        total = 0
+        for available, t, src in needed:
+            cost = a[src][d] * t_comm[t] + b[src][d]
+            sends.append((available, src, cost))
+            total += cost
+        return ready, sends, total
 
-    def _forget_ready(self, u: int, arrived: list[tuple[int, int]]) -> None:
-        """Drop ``data_ready_us``'s kept inputs of ``u`` (committed) and of the readers of
-        each (tensor, device) copy in ``arrived`` on that device."""
+    def _forget_ready(self, u: int, d: int, sends: list[tuple]) -> None:
+        """Drop ``data_ready_us``'s kept inputs of ``u`` (committed) and, on ``d``, of the
+        readers of each tensor in ``sends`` (``_incoming``'s, whose copies reach ``d``)."""
         if not self._ready_inputs:
             return
-        dd, kept = self.num_devices, self._ready_inputs
-        for d in range(dd):
-            kept.pop(u * dd + d, None)
-        for t, d in arrived:
-            for v in self._consumers[t]:
+        dd, kept, consumers = self.num_devices, self._ready_inputs, self._consumers
+        for e in range(dd):
+            kept.pop(u * dd + e, None)
+        for t, *_ in sends:
+            for v in consumers[t]:
                 kept.pop(v * dd + d, None)
 
     def shortfall_bytes(self, u: int, d: int) -> int:
@@ -655,50 +661,58 @@ class ScheduleBuilder:
             self.clock = begin
         if self.group_device[self._group[u]] == -1:
             self.pin_group(self._group[u], d)
+        # the loops below run for every input and output of every commit: locals, not
+        # attribute look-ups
+        last_use, holders, t_bytes = self.last_use, self.holders, self._t_bytes
+        release_later = self._release_later
         for t, src, t_begin, t_end, gate in sends:
             self.link_free[src][d] = self.channel_free[d] = t_end
             self.arrival[t * dd + d] = t_end
             self.transfers.append((t, src, d, t_begin, t_end, gate, u))
             self.received[d] += 1
             if not self.transient_copies:
-                self.holders[t].append(d)
+                holders[t].append(d)
             key = t * dd + src
-            if self.last_use.get(key, 0.0) < t_end:
-                self.last_use[key] = t_end
-            self._charge(d, self._t_bytes[t])
+            if last_use.get(key, 0.0) < t_end:
+                last_use[key] = t_end
+            self._charge(d, t_bytes[t])
         if sends and self.contention:
             for src, free in self._senders_free.items():
                 self.channel_free[src] = free
-        self._forget_ready(u, [(t, d) for t, *_ in sends])
+        self._forget_ready(u, d, sends)
         self._charge(d, self._out_bytes[u] + self._temp[u])
-        self._release_later(end, d, self._temp[u])
+        release_later(end, d, self._temp[u])
+        remaining = self.remaining
+        transient, copy_free_at = self.transient_copies, self.copy_free_at
+        device, producer = self.device, self._t_producer
         for t in self._inputs[u]:
             key = t * dd + d
-            if self.last_use.get(key, 0.0) < end:
-                self.last_use[key] = end
-            if self.transient_copies and self.device[self._t_producer[t]] != d and \
-                    self.copy_free_at.get(key, -1.0) < end:
-                self.copy_free_at[key] = end
-                self._release_later(end, d, self._t_bytes[t], key)
-            self.remaining[t] -= 1
-            if self.remaining[t] == 0:
-                for h in self.holders[t]:
-                    self._release_later(self.last_use[t * dd + h], h, self._t_bytes[t])
+            if last_use.get(key, 0.0) < end:
+                last_use[key] = end
+            if transient and device[producer[t]] != d and copy_free_at.get(key, -1.0) < end:
+                copy_free_at[key] = end
+                release_later(end, d, t_bytes[t], key)
+            remaining[t] -= 1
+            if remaining[t] == 0:
+                for h in holders[t]:
+                    release_later(last_use[t * dd + h], h, t_bytes[t])
+        held = self._t_held
         for t in self._outputs[u]:
-            if self._t_held[t]:
+            if held[t]:
                 continue
-            self.holders[t].append(d)
-            if self.remaining[t] == 0:  # an output nobody reads: freed when its producer ends
-                self._release_later(end, d, self._t_bytes[t])
+            holders[t].append(d)
+            if remaining[t] == 0:  # an output nobody reads: freed when its producer ends
+                release_later(end, d, t_bytes[t])
         self.device[u], self.start[u], self.finish[u] = d, begin, end
         self.device_free[d] = end
         self.ends_on[d].append(end)
         self.units_on[d].append(u)
         self.order.append(u)
         ready_units = []
+        missing = self.missing_inputs
         for v in self._successors[u]:
-            self.missing_inputs[v] -= 1
-            if self.missing_inputs[v] == 0:
+            missing[v] -= 1
+            if missing[v] == 0:
                 ready_units.append(v)
         return ready_units
 
