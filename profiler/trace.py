@@ -406,7 +406,7 @@ def profile_graph(item: GraphItem, steps: int = 6, warmup: int = 2, trace_every:
             TracedOrders`` takes the first as the first order it plans on).
         before_measuring: called once between the warm-up steps and the first measured one,
             e.g. to wait for work run beside the session's first step (``remat.measure.
-            measure_step``'s ``calls_ahead``), which no measured step may overlap.
+            measure_step``'s ``beside``), which no measured step may overlap.
 
     Returns:
         The profile; its ``coverage`` is the fraction of the step's ops measured.

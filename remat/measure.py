@@ -47,8 +47,7 @@ from graphfit.remat.plan import RematPlan
 from graphfit.remat.tf_memory import step_item
 
 __all__ = ["StepMeasurement", "compare_rewrite", "measure_step", "read_calls", "warmed_call",
-           "step_peak",
-           "paired_overhead", "paired_overheads", "measure_rewrite",
+           "step_peak", "paired_overhead", "paired_overheads", "measure_rewrite",
            "LOSS_RTOL", "GRADIENT_RTOL", "GRADIENT_ATOL_OF_MAX"]
 
 # A rewritten step computes the user's step: the loss within LOSS_RTOL of the user's, each
