@@ -105,7 +105,7 @@ nodes it must run after, and every input names a node of the graph.
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import tensorflow as tf
@@ -133,14 +133,13 @@ __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
 
 
 
-# Ops Grappler's arithmetic optimizer regroups (re-associates) unless they have a control edge:
-# where they float, they keep one from an event before their inputs (``_regrouping_guard``).
+# Ops Grappler's arithmetic optimizer regroups (re-associates) unless they have a control edge.
 REGROUPED_OP_TYPES = frozenset({"Mul", "Add", "AddV2"})
-# Ops oneDNN's pass may merge. The two nodes of a pair it could merge (``_fusable_pairs``),
-# and clones of these types, stay pinned where events float: a floating pair made a Keras
-# ResNet-style step fail with `Retval[0] does not have value` in one CI run with oneDNN on;
-# pinned, as in the strict chain, they never did.
+# Ops that stay pinned where events float: the regrouped ones, and those oneDNN's pass may
+# merge (a floating pair of them made a Keras ResNet-style step fail with `Retval[0] does not
+# have value` in one CI run with oneDNN on; pinned, as in the strict chain, they never did).
 FUSABLE_OP_TYPES = frozenset(t for pair in FUSABLE_PAIRS for t in pair[:2])
+NEVER_FLOATING_OP_TYPES = REGROUPED_OP_TYPES | FUSABLE_OP_TYPES
 
 
 class RematRewriteError(GraphfitError, ValueError):
@@ -376,24 +375,17 @@ def _join_anchors(events_run: list[tuple[str, bool]]) -> list[str]:
     return anchors[::-1]
 
 
-def _needs_regrouping_guard(node: tf.compat.v1.NodeDef) -> bool:
-    """Whether Grappler may regroup ``node``: a ``REGROUPED_OP_TYPES`` node with no control
-    input other than one of its data inputs."""
-    data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
-    return node.op in REGROUPED_OP_TYPES and not any(
-        name.startswith("^") and name[1:] not in data for name in node.input)
-
-
 def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[tuple[str, bool]],
-                      anchors: "Collection[str]") -> str | None:
-    """For a ``REGROUPED_OP_TYPES`` node without a control input Grappler keeps: the latest
-    event, no later than its ``anchors`` (so it has finished when the node may start, for a
-    pinned node; for a floating one, its data inputs), that is not one of its data inputs
-    (module docstring, "Edges Grappler cannot re-associate away"); ``None`` if it needs none
-    or none exists."""
-    if not anchors or not _needs_regrouping_guard(node):
+                      anchors: list[str]) -> str | None:
+    """For a pinned ``REGROUPED_OP_TYPES`` node without a control input Grappler keeps: the
+    latest event, no later than its ``anchors`` (so it has finished when the node may
+    start), that is not one of its data inputs (module docstring, "Edges Grappler cannot
+    re-associate away"); ``None`` if it needs none or none exists."""
+    if node.op not in REGROUPED_OP_TYPES or not anchors:
         return None
     data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
+    if any(name.startswith("^") and name[1:] not in data for name in node.input):
+        return None
     reached = False                      # at or before the latest anchor
     for name, _ in reversed(events_run):
         reached = reached or name in anchors
@@ -514,7 +506,6 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, floated
     chains: dict[int, list] = collections.defaultdict(list)  # first position -> (node, floats)
     updates = update_math(graph_def) if float_updates else frozenset()
-    fusable = {name for pair in _fusable_pairs(nodes) for name in pair}
     updates_floating = 0
 
     def newest(producer: str, suffix: str) -> str:
@@ -572,18 +563,8 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
         # The optimizer's arithmetic is regrouped only with itself, as it floats whole.
-        # A node oneDNN may merge stays pinned: a clone by its type (clones may pair where
-        # their originals do not).
-        merges = op_name in fusable or event.kind == RECOMPUTE and node.op in FUSABLE_OP_TYPES
-        floats = pinning and (position in floating and not merges
+        floats = pinning and (position in floating and node.op not in NEVER_FLOATING_OP_TYPES
                               or node.name in updates and node.op not in FUSABLE_OP_TYPES)
-        if floats and node.name not in updates and _needs_regrouping_guard(node):
-            inputs = {_split_input(name)[0] for name in node.input}
-            guard = _regrouping_guard(node, events_run, inputs)
-            floats = guard is not None
-            if floats:
-                node.input.append("^" + guard)
-                control_edges += 1
         updates_floating += floats and node.name in updates
         if not floats and (event.kind == RECOMPUTE or (
                 pin_order != "clones" and pinning and previous is not None and node.input)):

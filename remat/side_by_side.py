@@ -34,9 +34,9 @@ with it in 4 of 20). The bound still misses on that step: 12 of 32 runs of eight
 measured 0.25-1 MiB over (2026-12-05), which is why ``pipeline.optimize`` measures every
 floating step and falls back to the strict chain when one misses its budget, or its plan by
 more than 5%. The
-rewrite may still pin an event chosen here (one of a pair oneDNN may merge, ``remat.rewrite.
-_fusable_pairs``, or a ``Mul`` or ``Add`` for which it finds no guard edge against Grappler's
-regrouping): pinning only delays an event, which the bound allows.
+rewrite may still pin an event chosen here (a ``Mul`` or ``Add``, which Grappler regroups
+unless it has a control edge, or an op oneDNN may merge with another: ``remat.rewrite.
+NEVER_FLOATING_OP_TYPES``): pinning only delays an event, which the bound allows.
 
 A stateful op never floats. A variable's update that runs before a planned read of the old
 value (a recomputed reader of the weight's read, which no edge orders before the update) makes

@@ -194,25 +194,6 @@ def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
     compare_steps(item, chained).check()
 
 
-def test_a_floating_mul_keeps_a_guard_edge():
-    """A floating ``Mul`` keeps a control edge from an earlier event that is not one of its
-    inputs, so Grappler does not regroup it (``remat.rewrite._regrouping_guard``)."""
-    from graphfit.profiler.step_compare import compare_steps
-    from graphfit.profiler.tf_import import cost_graph_from_graph
-    from graphfit.remat.rewrite import rewrite
-
-    item = models.build("mlp", preset="tiny")
-    graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
-    plan = plan_from_schedule(graph, list(range(graph.num_ops)), None, "hand")
-    mul = next(i for i, t in enumerate(graph.op_types) if t == "Mul")
-    position = next(p for p, e in enumerate(plan.events) if e == (COMPUTE, mul))
-    floating = rewrite(item, graph, plan, floating={position: position})
-    node = floating.graph.get_operation_by_name(graph.names[mul])
-    inputs = {t.op.name for t in node.inputs}
-    assert node.control_inputs and not inputs & {c.name for c in node.control_inputs}
-    compare_steps(item, floating).check()
-
-
 def test_the_optimizers_arithmetic_floats_and_is_joined():
     """With ``float_updates`` what only feeds variable updates (here the weight gradients,
     read only by the optimizer) runs as soon as its inputs exist, and the next pinned event
