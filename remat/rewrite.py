@@ -583,8 +583,10 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # A source in the pinned region waits for nothing either: a join passes over it.
         events_run.append((previous, floats or (pinning and not node.input)))
 
-    graph_def.node.extend(clones)
+    # Before the clones are copied into the graph: ``extend`` copies, and edges added to a
+    # clone after it would be lost.
     control_edges += _hold_floating_chains(chains.values())
+    graph_def.node.extend(clones)
     _check_pinned(graph_def, anchors)
     _check_acyclic(graph_def)
     repinned = repin_removed_anchors(graph_def, anchors, step_fetches(item), session_config())

@@ -194,6 +194,28 @@ def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
     compare_steps(item, chained).check()
 
 
+def test_a_floating_recomputed_chain_holds_its_clones_until_all_its_inputs_exist():
+    """The hold edges reach the clones in the rewritten graph, not copies of them: the
+    recomputed ``Relu``, chained with the recomputed ``MatMul`` that reads it, waits for the
+    ``MatMul``'s weight. (Added to the clones after they were copied into the graph, the edges
+    were lost, and on a Keras DenseNet-style step a batch norm's recomputed ``Mul`` ran in the
+    forward pass and held 16 MiB over the plan, 2026-12-07.)"""
+    from graphfit.profiler.step_compare import compare_steps
+    from graphfit.profiler.tf_import import cost_graph_from_graph
+    from graphfit.remat.plan import RECOMPUTE
+    from graphfit.remat.rewrite import clone_name, rewrite
+
+    item = models.build("mlp", preset="tiny")
+    graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+    relu, matmul = graph.index["layer_0/Relu"], graph.index["layer_1/MatMul"]
+    plan = plan_from_schedule(graph, list(range(graph.num_ops)) + [relu, matmul], None, "hand")
+    first, second = (p for p, e in enumerate(plan.events) if e.kind == RECOMPUTE)
+    chained = rewrite(item, graph, plan, floating={first: first, second: first})
+    clone = chained.graph.get_operation_by_name(clone_name("layer_0/Relu", 1))
+    assert "layer_1/MatMul/ReadVariableOp" in {c.name for c in clone.control_inputs}
+    compare_steps(item, chained).check()
+
+
 def test_the_optimizers_arithmetic_floats_and_is_joined():
     """With ``float_updates`` what only feeds variable updates (here the weight gradients,
     read only by the optimizer) runs as soon as its inputs exist, and the next pinned event
