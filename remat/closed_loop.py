@@ -301,7 +301,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                         reference_step = ahead.submit(run_reference, original, order_updates,
                                                       sessions)
                     rewritten, plan = lower_plan(item, model, planned, baseline_bytes,
-                                                 side_by_side, traces)
+                                                 side_by_side, traces, order_updates)
             except BudgetError as error:
                 if milder:
                     planning_budget = milder.pop(0)
@@ -325,6 +325,7 @@ def fit_budget(original: GraphItem, item: GraphItem, budget_bytes: int | None,
                        "recomputed_ops": plan.stats.get("recomputed_ops", []),
                        "overhead_by_order": plan.stats["orders"],
                        "side_by_side_events": plan.stats["side_by_side_events"],
+                       "late_joins": plan.stats["late_joins"],
                        "late_variable_readers": order["late_readers"] if order_updates else 0}
             if not verify:
                 with times.stage("run_once"):

@@ -47,7 +47,8 @@ from graphfit.profiler.graph_def_walk import (GraphDefPassError, Reachability, a
 from graphfit.profiler.pow_conversions import keep_pow_conversions
 from graphfit.profiler.remapper_fusions import keep_remapper_fusions
 
-__all__ = ["VARIABLE_WRITE_OP_TYPES", "apply_updates_early", "order_updates_after_reads"]
+__all__ = ["VARIABLE_WRITE_OP_TYPES", "VARIABLE_ACCESS_OP_TYPES", "apply_updates_early",
+           "order_updates_after_reads"]
 
 # Ops that write a resource variable in place (the variable is input 0).
 VARIABLE_WRITE_OP_TYPES = frozenset({
@@ -60,6 +61,9 @@ VARIABLE_WRITE_OP_TYPES = frozenset({
     "ResourceSparseApplyGradientDescent", "ResourceSparseApplyMomentum",
     "ResourceSparseApplyAdagrad", "ResourceSparseApplyAdam",
 })
+# Ops that name, read or write a resource variable: once ``order_updates_after_reads`` ran,
+# edges order each of them against every other access that must come before or after it.
+VARIABLE_ACCESS_OP_TYPES = VARIABLE_WRITE_OP_TYPES | {"VarHandleOp", "ReadVariableOp"}
 _VIEW_OP_TYPES = frozenset({"Identity", "IdentityN"})
 
 

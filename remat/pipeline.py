@@ -412,29 +412,36 @@ def rematerialize(item: GraphItem,
 
 
 def lower_plan(item: GraphItem, model: "MemoryModel", planned: RematPlan, baseline_bytes: int,
-               side_by_side: bool = False, step_traces: "StepTraces | None" = None
-               ) -> tuple[GraphItem, RematPlan]:
+               side_by_side: bool = False, step_traces: "StepTraces | None" = None,
+               updates_ordered: bool = False) -> tuple[GraphItem, RematPlan]:
     """``rematerialize``'s second half: ``planned`` (a plan of ``model``'s planning graph,
     ``cheapest_plan``) expanded to ``model``'s ops and rewritten into ``item``, the backward
     pass a strict chain or, with ``side_by_side``, with floating events (as
     ``rematerialize``). Apart, so that one plan can be lowered both ways: the closed loop
     (``remat.closed_loop``) takes a measured step's floating events back without planning
-    again."""
+    again. ``updates_ordered``: the caller orders each variable's writes after the reads of
+    its old value (``remat.early_updates.order_updates_after_reads``) once lowered, so variable
+    reads and writes may float too."""
+    from graphfit.remat.early_updates import VARIABLE_ACCESS_OP_TYPES
     from graphfit.remat.rewrite import rewrite
-    from graphfit.remat.side_by_side import expanded_positions, floating_events
+    from graphfit.remat.side_by_side import (Unpinned, expanded_joins, expanded_positions,
+                                             unpinned_events)
     from graphfit.remat.step_time import chain_head, predict_step_time, step_dependencies
     from graphfit.remat.tf_memory import expand_plan, step_item
 
     # Events float only where the bound stays within the predicted peak (TF's accounting,
     # below the replay's wherever TF reuses a buffer).
-    floats = (floating_events(model.plan_graph, planned, planned.peak_bytes)
-              if side_by_side else set())
+    unpinned = (unpinned_events(model.plan_graph, planned, planned.peak_bytes,
+                                VARIABLE_ACCESS_OP_TYPES if updates_ordered else frozenset())
+                if side_by_side else Unpinned(set(), {}))
     plan = expand_plan(model, planned)
     plan.stats["baseline_peak_bytes"] = int(baseline_bytes)
     plan.stats["recomputed_ops"] = plan.recomputed_ops(model.cost_graph)
-    plan.stats["side_by_side_events"] = len(floats)
+    plan.stats["side_by_side_events"] = len(unpinned.floating)
+    plan.stats["late_joins"] = unpinned.late_joins
     rewritten = rewrite(item, model.cost_graph, plan,
-                        floating=expanded_positions(model.members, planned, floats),
+                        floating=expanded_positions(model.members, planned, unpinned.floating),
+                        joins=expanded_joins(model.members, planned, unpinned.joins),
                         float_updates=side_by_side)
     if step_traces is not None:
         head = chain_head(model.cost_graph.names, plan, rewritten.config["remat"]["pinned_from"])

@@ -56,9 +56,10 @@ The pass takes a training step (``GraphItem``), the ``CostGraph`` a planner work
   inter-op parallelism from the backward pass (on a Keras attention step 1.21-1.24x the
   user's step with nothing recomputed). ``remat.side_by_side`` marks the events that may run
   as soon as their inputs exist without the plan's peak noticing (``floating``): such a node
-  gets no pin, and every pinned node waits for the latest pinned event before it and for
-  each floating event since (a join), so every earlier event has finished when a pinned
-  event starts, which is what the floating bound assumes.
+  gets no pin, and every pinned node waits for the latest pinned node before it and for the
+  floating events joined to it (``remat.side_by_side``'s joins: the first pinned event after
+  a floating one, or a later one where the late bound allows), which is what the bound
+  assumes.
 - **oneDNN's run-time fusions.** With oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``), TF's
   ``MklLayoutRewritePass`` runs after Grappler, on the graph the session executes, and merges
   node pairs into one node (``remat.tf_memory.FUSABLE_PAIRS``: ``Conv2D`` + ``BiasAdd``, ``Pad``
@@ -105,7 +106,7 @@ nodes it must run after, and every input names a node of the graph.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from types import MappingProxyType
 
 import tensorflow as tf
@@ -133,13 +134,14 @@ __all__ = ["PIN_ORDERS", "RematRewriteError", "rewrite", "clone_name",
 
 
 
-# Ops Grappler's arithmetic optimizer regroups (re-associates) unless they have a control edge.
+# Ops Grappler's arithmetic optimizer regroups (re-associates) unless they have a control edge:
+# where they float, they keep one from an event before their inputs (``_regrouping_guard``).
 REGROUPED_OP_TYPES = frozenset({"Mul", "Add", "AddV2"})
-# Ops that stay pinned where events float: the regrouped ones, and those oneDNN's pass may
-# merge (a floating pair of them made a Keras ResNet-style step fail with `Retval[0] does not
-# have value` in one CI run with oneDNN on; pinned, as in the strict chain, they never did).
+# Ops oneDNN's pass may merge. The two nodes of a pair it could merge (``_fusable_pairs``)
+# stay pinned where events float: a floating pair made a Keras ResNet-style step fail with
+# `Retval[0] does not have value` in one CI run with oneDNN on; pinned, as in the strict
+# chain, they never did.
 FUSABLE_OP_TYPES = frozenset(t for pair in FUSABLE_PAIRS for t in pair[:2])
-NEVER_FLOATING_OP_TYPES = REGROUPED_OP_TYPES | FUSABLE_OP_TYPES
 
 
 class RematRewriteError(GraphfitError, ValueError):
@@ -363,31 +365,26 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
 PIN_ORDERS = ("tail", "all", "clones")
 
 
-def _join_anchors(events_run: list[tuple[str, bool]]) -> list[str]:
-    """The nodes a pinned event waits for: the latest event that did not float, and every
-    floating event after it (``events_run``: per earlier (re)compute event, its node and
-    whether it floated), so that every earlier event has finished when it starts."""
-    anchors = []
-    for name, floats in reversed(events_run):
-        anchors.append(name)
-        if not floats:
-            break
-    return anchors[::-1]
+def _needs_regrouping_guard(node: tf.compat.v1.NodeDef) -> bool:
+    """Whether Grappler may regroup ``node``: a ``REGROUPED_OP_TYPES`` node with no control
+    input other than one of its data inputs."""
+    data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
+    return node.op in REGROUPED_OP_TYPES and not any(
+        name.startswith("^") and name[1:] not in data for name in node.input)
 
 
-def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[tuple[str, bool]],
-                      anchors: list[str]) -> str | None:
-    """For a pinned ``REGROUPED_OP_TYPES`` node without a control input Grappler keeps: the
-    latest event, no later than its ``anchors`` (so it has finished when the node may
-    start), that is not one of its data inputs (module docstring, "Edges Grappler cannot
-    re-associate away"); ``None`` if it needs none or none exists."""
-    if node.op not in REGROUPED_OP_TYPES or not anchors:
+def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[str],
+                      anchors: "Collection[str]") -> str | None:
+    """For a ``REGROUPED_OP_TYPES`` node without a control input Grappler keeps: the latest
+    event, no later than its ``anchors`` (so it has finished when the node may start, for a
+    pinned node; for a floating one, its data inputs), that is not one of its data inputs
+    (module docstring, "Edges Grappler cannot re-associate away"); ``None`` if it needs none
+    or none exists."""
+    if not anchors or not _needs_regrouping_guard(node):
         return None
     data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
-    if any(name.startswith("^") and name[1:] not in data for name in node.input):
-        return None
     reached = False                      # at or before the latest anchor
-    for name, _ in reversed(events_run):
+    for name in reversed(events_run):
         reached = reached or name in anchors
         if reached and name not in data:
             return name
@@ -450,6 +447,7 @@ def update_math(graph_def: tf.compat.v1.GraphDef) -> set[str]:
 
 def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             pin_order: str = "tail", floating: "Mapping[int, int]" = MappingProxyType({}),
+            joins: "Mapping[int, int]" = MappingProxyType({}),
             float_updates: bool = False) -> GraphItem:
     """A new training step that executes ``plan`` (the original ``item`` is left untouched).
 
@@ -463,11 +461,15 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
             previous plan event's node; ``"all"``: every node from the plan's first event
             on does; ``"clones"``: only clones do.
         floating: positions in ``plan.events`` of events that may run as soon as their inputs
-            exist (``remat.side_by_side.floating_events``), each mapped to the position of
+            exist (``remat.side_by_side.unpinned_events``), each mapped to the position of
             the first op of its chain (``remat.side_by_side.expanded_positions``; itself for
             an op alone): such a node gets no pin, and every pinned node waits for the latest
-            pinned event and each floating event since. A floating op of a chain also waits
+            pinned node and the floating ones joined to it. A floating op of a chain also waits
             for every input of its chain (``_hold_floating_chains``).
+        joins: the position of the pinned node that waits for each floating one
+            (``remat.side_by_side.expanded_joins``); without one, the next pinned node. A
+            join that falls on a node the rewrite does not pin (a source) passes to the next
+            pinned node.
         float_updates: the optimizer's arithmetic (``update_math``) floats too, joined as a
             floating event is.
 
@@ -503,9 +505,13 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
     pinned_from = len(plan.events)       # position of the first pinned event
     control_edges = 0
     anchors: dict[str, list[str]] = {}  # pinned node -> the nodes it must run after
-    events_run: list[tuple[str, bool]] = []  # per (re)compute event: node, floated
+    events_run: list[str] = []           # per (re)compute event, its node
+    last_pinned = None                   # the latest node that waits for the ones before it
+    joined: dict[int, list[str]] = collections.defaultdict(list)  # position -> floating nodes
+    due: list[str] = []                  # floating nodes the next pinned node waits for
     chains: dict[int, list] = collections.defaultdict(list)  # first position -> (node, floats)
     updates = update_math(graph_def) if float_updates else frozenset()
+    fusable = {name for pair in _fusable_pairs(nodes) for name in pair}
     updates_floating = 0
 
     def newest(producer: str, suffix: str) -> str:
@@ -563,12 +569,29 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         # nothing waits in memory for it, and the initialiser, which may read it, must not
         # wait for the step.
         # The optimizer's arithmetic is regrouped only with itself, as it floats whole.
-        floats = pinning and (position in floating and node.op not in NEVER_FLOATING_OP_TYPES
-                              or node.name in updates and node.op not in FUSABLE_OP_TYPES)
+        # A node a floating one is joined to stays pinned, and so does a node oneDNN may
+        # merge: a clone by its type (clones may pair where their originals do not).
+        merges = op_name in fusable or event.kind == RECOMPUTE and node.op in FUSABLE_OP_TYPES
+        floats = pinning and position not in joined and (
+            position in floating and not merges
+            or node.name in updates and node.op not in FUSABLE_OP_TYPES)
+        if floats and node.name not in updates and _needs_regrouping_guard(node):
+            inputs = {_split_input(name)[0] for name in node.input}
+            guard = _regrouping_guard(node, events_run, inputs)
+            floats = guard is not None
+            if floats:
+                node.input.append("^" + guard)
+                control_edges += 1
         updates_floating += floats and node.name in updates
+        if floats and position in joins:
+            joined[joins[position]].append(node.name)
+        elif floats:
+            due.append(node.name)
+        due += joined.pop(position, [])
         if not floats and (event.kind == RECOMPUTE or (
                 pin_order != "clones" and pinning and previous is not None and node.input)):
-            waits_for = anchors[node.name] = _join_anchors(events_run)
+            waits_for = anchors[node.name] = [last_pinned] * (last_pinned is not None) + due
+            due = []
             for anchor in waits_for:
                 if not any(_split_input(name)[0] == anchor for name in node.input):
                     node.input.append("^" + anchor)
@@ -580,8 +603,10 @@ def rewrite(item: GraphItem, cost_graph: CostGraph, plan: RematPlan,
         if position in floating:
             chains[floating[position]].append((node, floats))
         previous = version[op_name]
-        # A source in the pinned region waits for nothing either: a join passes over it.
-        events_run.append((previous, floats or (pinning and not node.input)))
+        # A source in the pinned region waits for nothing, so nothing can wait through it.
+        if not floats and (node.input or not pinning):
+            last_pinned = previous
+        events_run.append(previous)
 
     # Before the clones are copied into the graph: ``extend`` copies, and edges added to a
     # clone after it would be lost.

@@ -17,9 +17,9 @@ from graphfit.profiler.cost_graph import CostGraph, OpSpec
 from graphfit.profiler.paired_timing import paired_step_times, ratio_summary
 from graphfit.profiler.session import EXACT_GRAPH, session_config, step_config, user_config
 from graphfit.remat.plan import COMPUTE, FREE
-from graphfit.remat.rewrite import _join_anchors
 from graphfit.remat.schedule import plan_from_schedule
-from graphfit.remat.side_by_side import expanded_positions, floating_events
+from graphfit.remat.side_by_side import (Unpinned, expanded_joins, expanded_positions,
+                                         unpinned_events)
 from graphfit.remat.validate import replay_plan
 
 
@@ -43,13 +43,44 @@ def test_events_float_only_while_the_bound_stays_within_the_limit():
     assert replay_plan(graph, plan).peak_bytes == 120        # c runs with a and b alive
     # b may run before a (20 bytes); c beside b once a exists (a, b, c: 120, the peak itself);
     # d may start once c exists, while c's 100 bytes are ahead of b: 121, over the peak.
-    assert floating_events(graph, plan) == _positions(plan, {"b", "c"}, graph)
+    assert unpinned_events(graph, plan).floating == _positions(plan, {"b", "c"}, graph)
     # Under 110, c stays pinned; d then waits only for c, the event before it: nothing ahead.
-    assert floating_events(graph, plan, limit_bytes=110) == _positions(plan, {"b", "d"}, graph)
+    assert unpinned_events(graph, plan, limit_bytes=110).floating == _positions(
+        plan, {"b", "d"}, graph)
     # A stateful op (a variable's update) keeps its place: run early, it would write a
-    # variable that a tensor still to be read holds, and TF would copy the variable.
+    # variable that a tensor still to be read holds, and TF would copy the variable; unless
+    # edges order it against every other access of its variable (``movable_stateful``).
     stateful = _graph(big_c=100, stateful_b=True)
-    assert floating_events(stateful, plan) == _positions(plan, {"c"}, graph)
+    assert unpinned_events(stateful, plan).floating == _positions(plan, {"c"}, graph)
+    assert unpinned_events(stateful, plan, movable_stateful=frozenset({"X"})).floating == \
+        _positions(plan, {"b", "c"}, graph)
+
+
+def _late_join_graph(y_reads_a: bool) -> CostGraph:
+    """x reads a; p1 and p2 (stateful, large temporary bytes) read only the source; y reads
+    x, p1, p2 and, if ``y_reads_a``, a too."""
+    return CostGraph.from_ops([
+        OpSpec("s", "X", output_bytes=[1]),
+        OpSpec("a", "X", inputs=[("s", 0)], output_bytes=[10]),
+        OpSpec("x", "X", inputs=[("a", 0)], output_bytes=[1]),
+        OpSpec("p1", "X", inputs=[("s", 0)], output_bytes=[1], temp_bytes=100, is_stateful=True),
+        OpSpec("p2", "X", inputs=[("s", 0)], output_bytes=[1], temp_bytes=100, is_stateful=True),
+        OpSpec("y", "X", inputs=[("x", 0), ("p1", 0), ("p2", 0)] + [("a", 0)] * y_reads_a,
+               output_bytes=[1])])
+
+
+def test_a_floating_event_is_joined_later_where_what_it_holds_fits():
+    """a and x float; p1 and p2 stay pinned. Joined by p2 instead of p1, x may still be
+    running beside p1 and p2, the plan's peak: that fits only if x holds nothing the plan has
+    freed by then, i.e. when y still reads a (a itself then holds nothing either)."""
+    for y_reads_a, join in ((False, "p1"), (True, "p2")):
+        graph = _late_join_graph(y_reads_a)
+        plan = plan_from_schedule(graph, list(range(graph.num_ops)), None, "hand")
+        unpinned = unpinned_events(graph, plan)
+        assert unpinned.floating == _positions(plan, {"a", "x", "y"}, graph)
+        (joined,) = _positions(plan, {join}, graph)
+        assert unpinned.joins == dict.fromkeys(_positions(plan, {"a", "x"}, graph), joined)
+        assert unpinned.late_joins == 2 * y_reads_a
 
 
 def _random_plan(rng: np.random.Generator, num_ops: int = 40):
@@ -58,7 +89,7 @@ def _random_plan(rng: np.random.Generator, num_ops: int = 40):
     (of ops with inputs: only those may run again)."""
     specs = []
     for i in range(num_ops):
-        sources = sorted(set(rng.integers(max(0, i - 8), i, size=int(rng.integers(0, 4)))
+        sources = sorted(set(rng.integers(max(0, i - 8), i, size=int(rng.integers(1, 4)))
                              .tolist())) if i else []
         control = ([f"op{int(rng.integers(0, i))}"] if i and rng.random() < 0.15 else [])
         specs.append(OpSpec(f"op{i}", "X", inputs=[(f"op{j}", 0) for j in sources],
@@ -74,10 +105,11 @@ def _random_plan(rng: np.random.Generator, num_ops: int = 40):
     return graph, plan_from_schedule(graph, schedule, None, "hand")
 
 
-def _executed_peak(graph: CostGraph, plan, floating: set[int], rng: random.Random,
+def _executed_peak(graph: CostGraph, plan, unpinned: Unpinned, rng: random.Random,
                    workers: int) -> int:
     """The peak of one random execution of ``plan`` as the rewrite orders it: a pinned event
-    starts once every earlier event finished, a floating one once its inputs' events did;
+    starts once every earlier pinned event and every floating one joined to it or to an
+    earlier pinned event finished, a floating one once its inputs' events did;
     ``workers`` events run at once at most, in random order and for random durations. A
     version of a tensor is freed when it and every event reading it have finished."""
     events = [(p, e.index) for p, e in enumerate(plan.events) if e.kind != FREE]
@@ -92,11 +124,16 @@ def _executed_peak(graph: CostGraph, plan, floating: set[int], rng: random.Rando
     for k, data in enumerate(reads):
         for version in data:
             readers[version].add(k)
-    floats = {k for k, (p, _) in enumerate(events) if p in floating}
+    ordinal = {p: k for k, (p, _) in enumerate(events)}
+    floats = {ordinal[p] for p in unpinned.floating}
+    join = {ordinal[p]: ordinal[j] for p, j in unpinned.joins.items()}
+    waits = [deps[k] if k in floats else
+             {j for j in range(k) if j not in floats or join.get(j, len(events)) <= k}
+             for k in range(len(events))]
     finished, running, live, now, peak = set(), {}, {}, 0.0, 0
     while len(finished) < len(events):
         ready = [k for k in range(len(events)) if k not in finished and k not in running
-                 and (deps[k] if k in floats else set(range(k))) <= finished]
+                 and waits[k] <= finished]
         rng.shuffle(ready)
         for k in ready[:workers - len(running)]:
             running[k] = now + rng.uniform(0.1, 1.0)
@@ -115,21 +152,25 @@ def _executed_peak(graph: CostGraph, plan, floating: set[int], rng: random.Rando
 
 
 def test_no_execution_the_joins_allow_exceeds_the_floating_bound():
-    """Random graphs and plans, random executions: floating events never take the step above
-    the plan's replayed peak; letting every event float does."""
+    """Random graphs and plans, random executions: floating events, joined late or not, never
+    take the step above the plan's replayed peak (or a higher limit given); letting every
+    event float, never joined, does."""
     rng, order = np.random.default_rng(7), random.Random(7)
-    exceeded_when_all_float = 0
+    exceeded_when_all_float = late_joins = 0
     for _ in range(30):
         graph, plan = _random_plan(rng)
-        limit = replay_plan(graph, plan).peak_bytes
-        assert _executed_peak(graph, plan, set(), order, workers=1) == limit
-        floating = floating_events(graph, plan)
-        assert floating
-        for workers in (2, 4, 64):
-            assert _executed_peak(graph, plan, floating, order, workers) <= limit
+        peak = replay_plan(graph, plan).peak_bytes
+        assert _executed_peak(graph, plan, Unpinned(set(), {}), order, workers=1) == peak
+        for limit in (peak, int(peak * 1.1)):
+            unpinned = unpinned_events(graph, plan, limit)
+            assert unpinned.floating and set(unpinned.joins) <= unpinned.floating
+            late_joins += unpinned.late_joins
+            for workers in (2, 4, 64):
+                assert _executed_peak(graph, plan, unpinned, order, workers) <= limit
         everything = {p for p, e in enumerate(plan.events) if e.kind != FREE}
-        exceeded_when_all_float += _executed_peak(graph, plan, everything, order, 64) > limit
-    assert exceeded_when_all_float > 0
+        exceeded_when_all_float += _executed_peak(graph, plan, Unpinned(everything, {}),
+                                                  order, 64) > peak
+    assert exceeded_when_all_float > 0 and late_joins > 0
 
 
 def test_expanded_positions_cover_every_op_of_a_chain():
@@ -143,23 +184,10 @@ def test_expanded_positions_cover_every_op_of_a_chain():
         offsets.append(offset)
         offset += 1 if kind == FREE else len(members[index])
     assert expanded == {offsets[p] + i: offsets[p] for p in chosen for i in range(2)}
-
-
-def test_join_anchors_keep_every_earlier_event_finished():
-    """Whatever events float, a pinned event starts only after every event before it has
-    finished, through its anchors' edges (a floating event itself waits for nothing here)."""
-    rng = random.Random(3)
-    for _ in range(50):
-        flags = [rng.random() < 0.6 for _ in range(30)]
-        run, finished_before = [], []
-        for k, floats in enumerate(flags):
-            done = set()
-            if not floats:
-                for anchor in map(int, _join_anchors(run)):
-                    done |= {anchor} | finished_before[anchor]
-                assert set(range(k)) <= done, (k, flags[:k + 1])
-            finished_before.append(done)
-            run.append((str(k), floats))
+    # b joined by d: both of b's ops map to d's first op.
+    (b,), (d,) = (_positions(plan, {name}, graph) for name in "bd")
+    assert expanded_joins(members, plan, {b: d}) == {offsets[b] + i: offsets[d]
+                                                    for i in range(2)}
 
 
 def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
@@ -193,6 +221,28 @@ def test_rewrite_leaves_a_floating_event_unpinned_and_joins_it():
     assert any(c.name.startswith("layer_1/Relu") for c in first.control_inputs)  # or its gate
     compare_steps(item, chained).check()
 
+
+def test_rewrite_joins_a_floating_event_to_the_pinned_node_it_is_given():
+    """A floating event joined later (``remat.side_by_side``'s late joins): the pinned node it
+    is joined to waits for it, those before do not, and the step computes the same."""
+    from graphfit.profiler.step_compare import compare_steps
+    from graphfit.profiler.tf_import import cost_graph_from_graph
+    from graphfit.remat.rewrite import rewrite
+
+    item = models.build("mlp", preset="tiny")
+    graph = cost_graph_from_graph(item.graph, [item.train_op, item.loss])
+    plan = plan_from_schedule(graph, list(range(graph.num_ops)), None, "hand")
+    op = "gradients/logits/MatMul_grad/MatMul_1"          # the last layer's weight gradient
+    position = next(p for p, e in enumerate(plan.events) if e == (COMPUTE, graph.index[op]))
+    later = [p for p, e in enumerate(plan.events[position + 1:], position + 1)
+             if e.kind != FREE]
+    for join in later[:4]:
+        joined = rewrite(item, graph, plan, floating={position: position},
+                         joins={position: join})
+        waiters = [o.name for o in joined.graph.get_operations()
+                   if op in {c.name for c in o.control_inputs}]
+        assert waiters == [graph.names[plan.events[join].index]]
+    compare_steps(item, joined).check()
 
 def test_a_floating_recomputed_chain_holds_its_clones_until_all_its_inputs_exist():
     """The hold edges reach the clones in the rewritten graph, not copies of them: the
