@@ -163,10 +163,10 @@ def _records_as_planned(measured: "StepMeasurement", planned_bytes: int) -> bool
     81.8 by the records against a plan of 81.8, and its strict chain read the same (a round of
     9 s for nothing); keras-hub BERT's 130.3 against a budget of 125.5, its strict chain 128.6
     and kept, 1.15-1.34x the user's step where floating steps run 1.14 (2026-12-07). So such a
-    step is planned again for a lower budget, still floating. The floating bound itself is
-    not sound on every run (the mlp ``activations`` step measured 0.25-1 MiB over its plan in
-    12 of 32 traced runs): a step whose records miss its plan falls back to the strict
-    chain."""
+    step is planned again for a lower budget, still floating. A step whose records miss its
+    plan falls back to the strict chain: the floating bound is proven only for the order
+    the rewrite's edges enforce (the mlp ``activations`` step measured 0.25-1 MiB over its plan
+    in 12 of 32 traced runs while recomputed chains lost those edges, until 2026-12-07)."""
     return measured.records_peak_bytes <= planned_bytes * (1 + PEAK_TOLERANCE)
 
 
