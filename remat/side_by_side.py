@@ -34,8 +34,8 @@ with it in 4 of 20). The bound still missed on that step in 12 of 32 runs of eig
 (0.25-1 MiB over, 2026-12-05). Until 2026-12-07 the rewrite lost the hold edges of
 recomputed chains (it added them to the clones after copying the clones into the graph):
 a batch norm's recomputed ``Mul`` of ``bench.reach``'s Keras DenseNet-style step then ran in
-the forward pass and held 16 MiB beyond the bound, 1.08-1.27 of the plan by the records; with
-the edges kept it read 1.000 in six runs of six. ``pipeline.optimize`` still measures every
+the forward pass and held up to 17 MiB beyond the bound, 1.02-1.27 of the plan by the records;
+with the edges kept it read 1.000 in 13 runs of 13. ``pipeline.optimize`` still measures every
 floating step and falls back to the strict chain when one misses its budget, or its plan by
 more than 5%. The rewrite may still pin an event chosen here (one of a pair oneDNN may
 merge, ``remat.rewrite._fusable_pairs``, or a ``Mul`` or ``Add`` it finds no guard edge for):
