@@ -365,10 +365,15 @@ def backward_start(item: GraphItem, cost_graph: CostGraph, computed: Iterable[in
 PIN_ORDERS = ("tail", "all", "clones")
 
 
+def _data_producers(node: tf.compat.v1.NodeDef) -> set[str]:
+    """The nodes ``node`` reads data from (not its control inputs)."""
+    return {_split_input(name)[0] for name in node.input if not name.startswith("^")}
+
+
 def _needs_regrouping_guard(node: tf.compat.v1.NodeDef) -> bool:
     """Whether Grappler may regroup ``node``: a ``REGROUPED_OP_TYPES`` node with no control
     input other than one of its data inputs."""
-    data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
+    data = _data_producers(node)
     return node.op in REGROUPED_OP_TYPES and not any(
         name.startswith("^") and name[1:] not in data for name in node.input)
 
@@ -382,7 +387,7 @@ def _regrouping_guard(node: tf.compat.v1.NodeDef, events_run: list[str],
     or none exists."""
     if not anchors or not _needs_regrouping_guard(node):
         return None
-    data = {_split_input(name)[0] for name in node.input if not name.startswith("^")}
+    data = _data_producers(node)
     reached = False                      # at or before the latest anchor
     for name in reversed(events_run):
         reached = reached or name in anchors

@@ -244,6 +244,7 @@ def test_rewrite_joins_a_floating_event_to_the_pinned_node_it_is_given():
         assert waiters == [graph.names[plan.events[join].index]]
     compare_steps(item, joined).check()
 
+
 def test_a_floating_recomputed_chain_holds_its_clones_until_all_its_inputs_exist():
     """The hold edges reach the clones in the rewritten graph, not copies of them: the
     recomputed ``Relu``, chained with the recomputed ``MatMul`` that reads it, waits for the
